@@ -1,0 +1,1 @@
+"""cachedstore: a coherent read-through cache in front of etcd v3."""
