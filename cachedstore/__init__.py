@@ -1,1 +1,49 @@
-"""cachedstore: a coherent read-through cache in front of etcd v3."""
+"""cachedstore: a coherent, read-through LRU cache in front of etcd v3.
+
+The whole public API is importable from here::
+
+    from cachedstore import EtcdStore
+
+    with EtcdStore(host="localhost", port=2379, prefix="/myjob/") as store:
+        store.set("master_addr", "10.0.0.1:29500")
+        store.get("master_addr")            # b"10.0.0.1:29500", from the cache
+"""
+
+from .config import Backoff, StoreConfig
+from .errors import (
+    AuthenticationError,
+    CachedStoreError,
+    EtcdConnectionError,
+    EtcdError,
+    EtcdPermissionError,
+    InvalidInputError,
+    InvalidTypeError,
+    KeyNotFoundError,
+    NotAnIntegerError,
+    StoreClosedError,
+    StoreTimeoutError,
+    TLSError,
+)
+from .store import MISSING, EtcdStore
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MISSING",
+    "AuthenticationError",
+    "Backoff",
+    "CachedStoreError",
+    "EtcdConnectionError",
+    "EtcdError",
+    "EtcdPermissionError",
+    "EtcdStore",
+    "InvalidInputError",
+    "InvalidTypeError",
+    "KeyNotFoundError",
+    "NotAnIntegerError",
+    "StoreClosedError",
+    "StoreConfig",
+    "StoreTimeoutError",
+    "TLSError",
+    "__version__",
+]

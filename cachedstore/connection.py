@@ -1,0 +1,334 @@
+"""gRPC channels to etcd: endpoints and failover, TLS, auth tokens, and error translation.
+
+The store talks to etcd through :class:`Connection` only. It drives python3-etcd3's
+generated stubs (``etcd3.etcdrpc``) directly, not its client class: that class marks an
+endpoint as failed after one timeout and then refuses it (``ValueError("Trying to use a
+failed node")``) for minutes, and never refreshes an expired auth token. Here every call
+has a deadline, retries on the next endpoint with jittered back-off while the deadline
+allows, re-authenticates once when etcd says the token is invalid, and raises only
+cachedstore errors.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+from etcd3 import etcdrpc
+
+from .config import StoreConfig
+from .errors import (
+    AuthenticationError,
+    CachedStoreError,
+    EtcdConnectionError,
+    EtcdError,
+    EtcdPermissionError,
+    InvalidInputError,
+    StoreClosedError,
+    TLSError,
+)
+from .metrics import NullMetrics, StoreMetrics
+
+__all__ = ["Connection", "Credentials", "parse_endpoint", "translate_rpc_error"]
+
+#: Retry modes of :meth:`Connection.call`.
+IDEMPOTENT = "idempotent"  # safe to send again after any transport failure
+UNSENT_ONLY = "unsent-only"  # retried only when the request cannot have reached etcd
+
+_TRANSPORT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_UNSENT_MARKERS = ("failed to connect", "connection refused", "connect failed",
+                   "dns resolution", "no route to host", "name resolution")
+_TLS_MARKERS = ("ssl", "tls", "handshake", "certificate")
+_TOKEN_MARKERS = ("invalid auth token", "auth token is expired", "user name is empty")
+
+
+def parse_endpoint(endpoint: str | tuple[str, int]) -> tuple[str, int]:
+    """``"host:port"``, ``"[v6addr]:port"``, a URL or a ``(host, port)`` → ``(host, port)``."""
+    if isinstance(endpoint, tuple):
+        host, port = endpoint
+        return str(host), int(port)
+    if not isinstance(endpoint, str) or not endpoint:
+        raise InvalidInputError(f"endpoint must be 'host:port', got {endpoint!r}")
+    text = endpoint.split("://", 1)[-1].rstrip("/")
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise InvalidInputError(f"endpoint must be 'host:port', got {endpoint!r}")
+    return host.strip("[]"), int(port)
+
+
+class Credentials:
+    """TLS material and etcd user credentials. Never printed: ``repr`` hides the password."""
+
+    __slots__ = ("ca_cert", "cert_key", "cert_cert", "user", "_password")
+
+    def __init__(self, ca_cert: str | None = None, cert_key: str | None = None,
+                 cert_cert: str | None = None, user: str | None = None,
+                 password: str | None = None) -> None:
+        if (user is None) != (password is None):
+            raise InvalidInputError("give both user and password, or neither")
+        if (cert_key is None) != (cert_cert is None):
+            raise InvalidInputError("give both cert_key and cert_cert, or neither")
+        self.ca_cert, self.cert_key, self.cert_cert = ca_cert, cert_key, cert_cert
+        self.user, self._password = user, password
+
+    @property
+    def password(self) -> str | None:
+        return self._password
+
+    @property
+    def secure(self) -> bool:
+        return self.ca_cert is not None or self.cert_cert is not None
+
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        if not self.secure:
+            return None
+
+        def read(path: str | None) -> bytes | None:
+            if path is None:
+                return None
+            try:
+                with open(path, "rb") as f:
+                    return f.read()
+            except OSError as exc:
+                raise InvalidInputError(f"cannot read TLS file {path!r}: {exc.strerror}") from None
+
+        return grpc.ssl_channel_credentials(
+            read(self.ca_cert), read(self.cert_key), read(self.cert_cert))
+
+    def __repr__(self) -> str:
+        return (f"Credentials(tls={self.secure}, client_cert={self.cert_cert is not None}, "
+                f"user={self.user!r}, password={'***' if self._password else None})")
+
+
+def translate_rpc_error(exc: grpc.RpcError, method: str) -> CachedStoreError:
+    """A cachedstore error for a gRPC error from etcd (the caller chains ``exc``)."""
+    code = exc.code() if hasattr(exc, "code") else None
+    details = (exc.details() if hasattr(exc, "details") else "") or ""
+    lowered = details.lower()
+    where = f"etcd {method}"
+    if code in _TRANSPORT_CODES:
+        if any(m in lowered for m in _TLS_MARKERS):
+            return TLSError(f"{where}: TLS handshake with etcd failed ({details}); check "
+                            f"ca_cert and the server's certificate")
+        return EtcdConnectionError(f"{where}: etcd unreachable ({code.name}: {details})")
+    if code is grpc.StatusCode.PERMISSION_DENIED:
+        return EtcdPermissionError(f"{where}: {details}")
+    if "authentication failed" in lowered or "invalid user" in lowered:
+        return AuthenticationError(f"{where}: {details}")
+    if "authentication is not enabled" in lowered:
+        return AuthenticationError(f"{where}: credentials given but {details}")
+    if code is grpc.StatusCode.UNAUTHENTICATED or any(m in lowered for m in _TOKEN_MARKERS):
+        return AuthenticationError(f"{where}: {details} (are user and password set?)")
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED or "too large" in lowered \
+            or "too many operations" in lowered:
+        return InvalidInputError(f"{where}: {details}")
+    if code is grpc.StatusCode.CANCELLED:
+        return StoreClosedError(f"{where}: cancelled ({details})")
+    name = code.name if code is not None else type(exc).__name__
+    return EtcdError(f"{where}: {name}: {details}")
+
+
+class _Endpoint:
+    """One etcd endpoint: its lazily created channel and the stubs on it."""
+
+    __slots__ = ("target", "channel", "kv", "maintenance", "auth", "watch", "lease")
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.channel: grpc.Channel | None = None
+
+
+class Connection:
+    """Channels to one etcd cluster. Thread-safe; every method may block up to its deadline.
+
+    ``call`` sends one unary RPC, failing over between endpoints and re-authenticating as
+    needed until it succeeds or its deadline passes; it raises only cachedstore errors.
+    """
+
+    def __init__(self, endpoints: Sequence[tuple[str, int]], credentials: Credentials,
+                 config: StoreConfig, metrics: StoreMetrics | NullMetrics) -> None:
+        if not endpoints:
+            raise InvalidInputError("at least one endpoint is required")
+        self._endpoints = [
+            _Endpoint(f"[{h}]:{p}" if ":" in h else f"{h}:{p}") for h, p in endpoints]
+        self._credentials = credentials
+        self._channel_credentials = credentials.channel_credentials()
+        self._config = config
+        self._metrics = metrics
+        self._lock = threading.Lock()
+        self._auth_lock = threading.Lock()
+        self._current = 0
+        self._token: str | None = None
+        self._closed = False
+        self._options = [
+            ("grpc.max_receive_message_length", -1),
+            ("grpc.max_send_message_length", -1),
+            ("grpc.keepalive_time_ms", int(config.keepalive_time * 1000)),
+            ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout * 1000)),
+            ("grpc.keepalive_permit_without_calls", 0),
+            ("grpc.http2.max_pings_without_data", 0),
+            # gRPC's default reconnect back-off grows to 120 s: a restarted etcd would stay
+            # unused for minutes. Our own back-off paces the retries instead.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 2000),
+            ("grpc.enable_retries", 0),
+        ]
+
+    # -- endpoints ---------------------------------------------------------------------
+    @property
+    def targets(self) -> list[str]:
+        return [e.target for e in self._endpoints]
+
+    def endpoint(self) -> tuple[int, _Endpoint]:
+        """The endpoint in use (index, endpoint with stubs), creating its channel if needed."""
+        with self._lock:
+            if self._closed:
+                raise StoreClosedError("the store is closed")
+            index = self._current
+            ep = self._endpoints[index]
+            if ep.channel is None:
+                if self._channel_credentials is not None:
+                    ep.channel = grpc.secure_channel(
+                        ep.target, self._channel_credentials, options=self._options)
+                else:
+                    ep.channel = grpc.insecure_channel(ep.target, options=self._options)
+                ep.kv = etcdrpc.KVStub(ep.channel)
+                ep.maintenance = etcdrpc.MaintenanceStub(ep.channel)
+                ep.auth = etcdrpc.AuthStub(ep.channel)
+                ep.watch = etcdrpc.WatchStub(ep.channel)
+                ep.lease = etcdrpc.LeaseStub(ep.channel)
+            return index, ep
+
+    def failover(self, failed_index: int) -> None:
+        """Move to the next endpoint, unless another thread already moved off ``failed_index``."""
+        with self._lock:
+            if self._current == failed_index and len(self._endpoints) > 1:
+                self._current = (failed_index + 1) % len(self._endpoints)
+
+    # -- auth ----------------------------------------------------------------------------
+    def metadata(self) -> tuple[tuple[str, str], ...] | None:
+        token = self._token
+        return (("token", token),) if token else None
+
+    @property
+    def has_credentials(self) -> bool:
+        return self._credentials.user is not None
+
+    def authenticate(self, deadline: float, stale_token: str | None = None) -> None:
+        """Get a fresh auth token (no-op without credentials, or if another thread already
+        replaced ``stale_token``). Raises AuthenticationError for a wrong password."""
+        if not self.has_credentials:
+            return
+        with self._auth_lock:
+            if stale_token is not None and self._token != stale_token:
+                return
+            request = etcdrpc.AuthenticateRequest(
+                name=self._credentials.user, password=self._credentials.password)
+            response = self.call("authenticate", request, deadline=deadline,
+                                 retry=IDEMPOTENT, authenticated=False)
+            self._token = response.token
+
+    # -- calls ---------------------------------------------------------------------------
+    def deadline(self, timeout: float | None = None) -> float:
+        return time.monotonic() + (self._config.request_timeout if timeout is None else timeout)
+
+    def call(self, method: str, request: Any, *, deadline: float, retry: str = IDEMPOTENT,
+             authenticated: bool = True) -> Any:
+        """Send one unary RPC (``range``, ``txn``, ``put``, ``delete_range``, ``status``,
+        ``authenticate``, ``lease_grant``, ``lease_revoke``...) and return its response.
+
+        Blocks until the response or ``deadline`` (a ``time.monotonic()`` value). Transport
+        failures move to the next endpoint and retry after a jittered back-off: always for
+        ``IDEMPOTENT`` calls, and for ``UNSENT_ONLY`` calls only while the failure shows the
+        request never reached etcd. Raises EtcdConnectionError (outcome unknown for
+        UNSENT_ONLY calls that may have been sent), EtcdPermissionError, InvalidInputError...
+        """
+        backoff = self._config.backoff
+        attempt = 0
+        reauthenticated = False
+        n_endpoints = len(self._endpoints)
+        while True:
+            index, ep = self.endpoint()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise EtcdConnectionError(
+                    f"etcd {method}: no answer from {', '.join(self.targets)} within the "
+                    f"request timeout")
+            # With several endpoints, one black-holed member must not eat the whole budget.
+            per_attempt = remaining if n_endpoints == 1 else max(
+                min(remaining, 1.0), remaining / 2)
+            token = self._token if authenticated else None
+            metadata = (("token", token),) if token else None
+            started = time.perf_counter()
+            try:
+                response = _rpc(ep, method)(request, timeout=per_attempt, metadata=metadata)
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else None
+                self._metrics.rpc(method, code.name if code else "UNKNOWN",
+                                  time.perf_counter() - started)
+                details = ((exc.details() if hasattr(exc, "details") else "") or "").lower()
+                if self._closed:
+                    raise StoreClosedError("the store is closed") from None
+                if (authenticated and self.has_credentials and not reauthenticated
+                        and any(m in details for m in _TOKEN_MARKERS)):
+                    reauthenticated = True
+                    self.authenticate(deadline, stale_token=token)
+                    continue
+                if code in _TRANSPORT_CODES or "no leader" in details \
+                        or "leader changed" in details:
+                    unsent = code is grpc.StatusCode.UNAVAILABLE and any(
+                        m in details for m in _UNSENT_MARKERS)
+                    self.failover(index)
+                    if retry == IDEMPOTENT or unsent:
+                        delay = backoff.delay(attempt)
+                        attempt += 1
+                        if time.monotonic() + delay < deadline:
+                            time.sleep(delay)
+                            continue
+                    error = translate_rpc_error(exc, method)
+                    if retry != IDEMPOTENT and not unsent and not isinstance(error, TLSError):
+                        error = EtcdConnectionError(
+                            f"{error}; the request may or may not have been applied")
+                    raise error from exc
+                raise translate_rpc_error(exc, method) from exc
+            except ValueError as exc:  # grpc raises it for a channel closed under us
+                if self._closed:
+                    raise StoreClosedError("the store is closed") from None
+                raise EtcdError(f"etcd {method}: {exc}") from exc
+            self._metrics.rpc(method, "ok", time.perf_counter() - started)
+            return response
+
+    def close(self) -> None:
+        """Close every channel; calls in flight fail with StoreClosedError. Idempotent."""
+        with self._lock:
+            self._closed = True
+            channels = [ep.channel for ep in self._endpoints if ep.channel is not None]
+            for ep in self._endpoints:
+                ep.channel = None
+        for channel in channels:
+            channel.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+
+_METHODS: dict[str, tuple[str, str]] = {
+    "range": ("kv", "Range"),
+    "txn": ("kv", "Txn"),
+    "put": ("kv", "Put"),
+    "delete_range": ("kv", "DeleteRange"),
+    "status": ("maintenance", "Status"),
+    "authenticate": ("auth", "Authenticate"),
+    "lease_grant": ("lease", "LeaseGrant"),
+    "lease_revoke": ("lease", "LeaseRevoke"),
+}
+
+
+def _rpc(ep: _Endpoint, method: str) -> Callable[..., Any]:
+    stub_name, rpc_name = _METHODS[method]
+    return getattr(getattr(ep, stub_name), rpc_name)

@@ -1,0 +1,95 @@
+"""Names, values and prefixes: validation and the mapping between them and etcd keys.
+
+A *name* is what the user passes (``str`` or ``bytes``), relative to the store's prefix. Its
+*canonical* form, used as the cache key, is a ``str``: a ``str`` name is its own canonical
+form (so a hit on a ``str`` name allocates nothing), and ``bytes`` are decoded as UTF-8 with
+``surrogateescape``, which maps every byte string to a distinct ``str`` and back. The etcd
+key is ``prefix + canonical.encode("utf-8", "surrogateescape")``.
+"""
+
+from __future__ import annotations
+
+from .errors import InvalidInputError, InvalidTypeError
+
+__all__ = ["KeySpace", "to_value"]
+
+#: Room left in a request for everything but the key and value (gRPC and protobuf framing).
+REQUEST_OVERHEAD = 512
+
+
+def to_value(value: object, what: str = "value") -> bytes:
+    """``value`` as bytes: ``bytes`` as is, ``str`` UTF-8 encoded, bytearray/memoryview copied.
+
+    Raises ``InvalidTypeError`` (TypeError) for anything else.
+    """
+    if type(value) is bytes:
+        return value
+    if isinstance(value, str):
+        try:
+            return value.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError as exc:
+            raise InvalidInputError(f"{what} is not encodable as UTF-8: {exc.reason}") from None
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    raise InvalidTypeError(f"{what} must be str or bytes, not {type(value).__name__}")
+
+
+def prefix_range_end(prefix: bytes) -> bytes:
+    """The etcd ``range_end`` that, with ``key=prefix``, covers every key under ``prefix``."""
+    end = bytearray(prefix)
+    while end:
+        if end[-1] < 0xFF:
+            end[-1] += 1
+            return bytes(end)
+        end.pop()
+    return b"\0"  # every key
+
+
+class KeySpace:
+    """Maps names to etcd keys under one prefix, and back. Immutable, thread-safe."""
+
+    __slots__ = ("prefix", "range_start", "range_end", "_plen", "_max_request_bytes")
+
+    def __init__(self, prefix: str | bytes, max_request_bytes: int) -> None:
+        self.prefix = to_value(prefix, "prefix")
+        self.range_start = self.prefix or b"\0"
+        self.range_end = prefix_range_end(self.prefix)
+        self._plen = len(self.prefix)
+        self._max_request_bytes = max_request_bytes
+
+    def canonical(self, name: object) -> str:
+        """The cache key of ``name``; raises InvalidTypeError/InvalidInputError on bad input."""
+        if type(name) is str:
+            canonical = name
+        elif isinstance(name, (bytes, bytearray, memoryview)):
+            canonical = bytes(name).decode("utf-8", "surrogateescape")
+        else:
+            raise InvalidTypeError(f"key name must be str or bytes, not {type(name).__name__}")
+        if not canonical:
+            raise InvalidInputError("key name must not be empty")
+        return canonical
+
+    def key(self, canonical: str) -> bytes:
+        """The etcd key of a canonical name."""
+        try:
+            return self.prefix + canonical.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError as exc:
+            raise InvalidInputError(
+                f"key name is not encodable as UTF-8: {exc.reason}") from None
+
+    def name_of(self, key: bytes) -> str | None:
+        """The canonical name of an etcd key, or None if it is not under the prefix."""
+        if not key.startswith(self.prefix):
+            return None
+        return key[self._plen:].decode("utf-8", "surrogateescape")
+
+    def check_size(self, key: bytes, value: bytes) -> None:
+        """Raise InvalidInputError if a put of ``key``=``value`` exceeds etcd's request limit."""
+        limit = self._max_request_bytes
+        size = len(key) + len(value) + REQUEST_OVERHEAD
+        if size > limit:
+            raise InvalidInputError(
+                f"key and value are {len(key) + len(value)} bytes; etcd accepts at most "
+                f"{limit - REQUEST_OVERHEAD} (its --max-request-bytes is {limit}, less "
+                f"{REQUEST_OVERHEAD} bytes of framing); set max_request_bytes if your "
+                f"cluster allows more")

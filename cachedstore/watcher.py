@@ -1,0 +1,279 @@
+"""The one watch stream of a store, on its own thread, keeping the cache coherent.
+
+The stream is driven directly over etcd's gRPC ``Watch`` API (python3-etcd3's ``Watcher``
+dies silently and cannot resume). It covers the store's whole prefix and:
+
+- resumes after a disconnect from (last applied event revision + 1), on the next endpoint,
+  after a jittered back-off. Progress responses are *not* used to advance the resume point:
+  etcd before 3.5.8 can send one ahead of events of the same revision;
+- resyncs when etcd reports the resume revision compacted: forgets the cache and starts
+  from a fresh revision (never retrying the compacted one);
+- treats a cancel (permission, auth) and a clean end of the stream as failures;
+- sends a progress request whenever the stream has been quiet for ``progress_interval``
+  and declares the stream stalled when nothing at all arrived for ``stall_timeout``:
+  a silent partition is detected within ``stall_timeout + progress_interval``;
+- stops the cache from being served (``cache.watch_down()``) from the moment any of this
+  goes wrong until the stream is healthy again, and counts every restart by reason.
+
+The thread never dies silently: every exception is caught, logged, counted as a restart
+(reason ``error``) and followed by a new attempt, until :meth:`Watcher.stop`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+from etcd3 import etcdrpc
+
+from .cache import CoherentCache
+from .config import StoreConfig
+from .connection import Connection
+from .errors import CachedStoreError, StoreClosedError
+from .keys import KeySpace
+from .metrics import NullMetrics, StoreMetrics
+
+__all__ = ["Watcher", "current_revision"]
+
+log = logging.getLogger("cachedstore.watch")
+
+_PUT = 0  # etcdrpc Event.EventType.PUT; DELETE is 1
+_AUTH_MARKERS = ("auth", "token", "permission")
+
+
+def current_revision(conn: Connection, keyspace: KeySpace, deadline: float) -> int:
+    """etcd's current revision, read with a count-only range over the prefix (so that it
+    also checks the read permission on it). Raises cachedstore errors."""
+    request = etcdrpc.RangeRequest(
+        key=keyspace.range_start, range_end=keyspace.range_end, count_only=True)
+    return int(conn.call("range", request, deadline=deadline).header.revision)
+
+
+class Watcher:
+    """Runs the watch stream of one store on a named daemon thread. ``start`` once,
+    ``stop`` once (from ``EtcdStore.close``). Thread-safe state for readers: ``up``,
+    ``ready``, ``last_contact``, ``last_error``."""
+
+    def __init__(self, conn: Connection, keyspace: KeySpace, cache: CoherentCache,
+                 config: StoreConfig, metrics: StoreMetrics | NullMetrics, name: str) -> None:
+        self._conn = conn
+        self._keyspace = keyspace
+        self._cache = cache
+        self._config = config
+        self._metrics = metrics
+        self._stopping = threading.Event()
+        self._call: Any = None
+        self._revision = 0
+        self._needs_resync = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        #: Set once the first stream is created (the constructor waits for it).
+        self.ready = threading.Event()
+        #: True while the stream is healthy and the cache may be served.
+        self.up = False
+        #: ``time.monotonic()`` of the last message from etcd on the stream.
+        self.last_contact = 0.0
+        #: The error that ended the last stream, if any (for the constructor's message).
+        self.last_error: BaseException | None = None
+        self.restarts = 0
+        self._stream_was_healthy = False
+
+    @property
+    def revision(self) -> int:
+        """Last etcd revision whose events were applied (the resume point is this + 1)."""
+        return self._revision
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
+    def start(self, revision: int) -> None:
+        """Start watching every change after ``revision``."""
+        self._revision = revision
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Cancel the stream and join the thread. Idempotent."""
+        self._stopping.set()
+        call = self._call
+        if call is not None:
+            call.cancel()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        self._set_down()
+
+    # -- state -------------------------------------------------------------------------------
+    def _set_up(self, creation_revision: int) -> None:
+        self._cache.watch_up(creation_revision)
+        if not self.up:
+            self.up = True
+            self._metrics.watch_up.inc()
+        self.ready.set()
+
+    def _set_down(self) -> None:
+        self._cache.watch_down()
+        if self.up:
+            self.up = False
+            self._metrics.watch_up.dec()
+
+    # -- the loop --------------------------------------------------------------------------------
+    def _run(self) -> None:
+        attempt = 0
+        while not self._stopping.is_set():
+            self._stream_was_healthy = False
+            try:
+                if self._needs_resync:
+                    self._resync()
+                reason = self._stream_once()
+            except StoreClosedError:
+                break
+            except CachedStoreError as exc:  # resync could not reach etcd, auth failed...
+                self.last_error = exc
+                reason = "auth" if isinstance(exc, PermissionError) else "disconnect"
+            except Exception as exc:  # never die silently
+                self.last_error = exc
+                log.exception("cachedstore watch: unexpected error; restarting the stream")
+                reason = "error"
+            if self._stopping.is_set():
+                break
+            self._set_down()
+            self.restarts += 1
+            self._metrics.restart(reason)
+            log.warning("cachedstore watch restarting (%s) from revision %d: %s",
+                        reason, self._revision + 1, self.last_error)
+            if reason == "compacted":
+                self._needs_resync = True
+            # A stream that got as far as being created starts the back-off over.
+            attempt = 0 if self._stream_was_healthy else attempt + 1
+            self._stopping.wait(self._config.backoff.delay(attempt))
+        self._set_down()
+
+    def _resync(self) -> None:
+        """Events were lost: take a fresh revision first, then forget the cache, so that a
+        fill begun after the reset reads at or after the new start revision."""
+        revision = current_revision(self._conn, self._keyspace, self._conn.deadline())
+        self._cache.reset(revision)
+        self._revision = revision
+        self._needs_resync = False
+
+    def _stream_once(self) -> str:
+        """Run one watch stream until it ends; return why it ended (a restart reason)."""
+        index, endpoint = self._conn.endpoint()
+        requests: queue.Queue[Any] = queue.Queue()
+        stalled = threading.Event()
+        create = etcdrpc.WatchRequest(create_request=etcdrpc.WatchCreateRequest(
+            key=self._keyspace.range_start, range_end=self._keyspace.range_end,
+            start_revision=self._revision + 1))
+        progress = etcdrpc.WatchRequest(progress_request=etcdrpc.WatchProgressRequest())
+        interval = self._config.progress_interval
+        stall_timeout = self._config.stall_timeout
+
+        def request_stream() -> Iterator[Any]:
+            # Runs on gRPC's request-consumer thread; doubles as the stall watchdog.
+            yield create
+            while True:
+                try:
+                    item = requests.get(timeout=interval)
+                except queue.Empty:
+                    if self._stopping.is_set():
+                        return
+                    if time.monotonic() - self.last_contact > stall_timeout:
+                        stalled.set()
+                        self._cache.watch_down()  # stop serving now, not after the cancel
+                        call.cancel()
+                        return
+                    yield progress
+                    continue
+                if item is None:
+                    return
+                yield item
+
+        self.last_contact = time.monotonic()
+        call = endpoint.watch.Watch(request_stream(), metadata=self._conn.metadata())
+        self._call = call
+        if self._stopping.is_set():
+            call.cancel()
+        try:
+            for response in call:
+                self.last_contact = time.monotonic()
+                reason = self._handle(response)
+                if reason is not None:
+                    return reason
+            self.last_error = None
+            return "ended"
+        except grpc.RpcError as exc:
+            self.last_error = exc
+            if self._stopping.is_set():
+                return "closed"
+            if stalled.is_set():
+                self._conn.failover(index)
+                return "stalled"
+            code = exc.code() if hasattr(exc, "code") else None
+            details = ((exc.details() if hasattr(exc, "details") else "") or "").lower()
+            if code is grpc.StatusCode.UNAUTHENTICATED or "auth token" in details:
+                self._conn.authenticate(self._conn.deadline(),
+                                        stale_token=_token(self._conn))
+                return "auth"
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                self._conn.failover(index)
+                return "disconnect"
+            if code is grpc.StatusCode.CANCELLED:
+                return "canceled"
+            return "error"
+        finally:
+            requests.put(None)
+            call.cancel()
+            self._call = None
+
+    def _handle(self, response: Any) -> str | None:
+        """Apply one watch response; return a restart reason if the stream must end."""
+        if response.canceled:
+            if response.compact_revision:
+                self.last_error = CachedStoreError(
+                    f"revision {self._revision + 1} compacted (etcd compacted up to "
+                    f"{response.compact_revision})")
+                return "compacted"
+            reason = response.cancel_reason or "watch canceled by etcd"
+            self.last_error = CachedStoreError(reason)
+            if any(m in reason.lower() for m in _AUTH_MARKERS):
+                self._conn.authenticate(self._conn.deadline(), stale_token=_token(self._conn))
+                return "auth"
+            return "canceled"
+        if response.created:
+            self._stream_was_healthy = True
+            self._set_up(response.header.revision)
+            self._metrics.watch_revision.set(response.header.revision)
+            return None
+        events = response.events
+        if not events:  # a progress response: liveness only, never ordering
+            self._metrics.watch_revision.set(max(self._revision, response.header.revision))
+            return None
+        name_of = self._keyspace.name_of
+        batch = []
+        puts = 0
+        for event in events:
+            kv = event.kv
+            name = name_of(kv.key)
+            if name is None:
+                continue
+            if event.type == _PUT:
+                puts += 1
+                batch.append((name, kv.value, kv.mod_revision))
+            else:
+                batch.append((name, None, kv.mod_revision))
+        last = events[-1].kv.mod_revision
+        self._cache.apply_events(batch, last)
+        self._revision = max(self._revision, last)
+        self._metrics.events_put.inc(puts)
+        self._metrics.events_delete.inc(len(batch) - puts)
+        self._metrics.watch_revision.set(self._revision)
+        return None
+
+
+def _token(conn: Connection) -> str | None:
+    metadata = conn.metadata()
+    return metadata[0][1] if metadata else None
