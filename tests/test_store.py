@@ -1,0 +1,363 @@
+"""EtcdStore's API contract, against a real etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+from util import eventually, raw_client, rpc_count, sample
+
+import cachedstore
+from cachedstore import (
+    EtcdConnectionError,
+    EtcdStore,
+    InvalidInputError,
+    InvalidTypeError,
+    KeyNotFoundError,
+    NotAnIntegerError,
+    StoreClosedError,
+    StoreTimeoutError,
+)
+from cachedstore.server import free_port
+
+
+@pytest.fixture
+def store(etcd, prefix):
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix) as s:
+        yield s
+
+
+def test_set_get_roundtrip_and_raw_key(store, etcd, prefix):
+    store.set("addr", "10.0.0.1:29500")
+    assert store.get("addr") == b"10.0.0.1:29500"
+    store.set(b"bin\xff", b"\x00\x01")
+    assert store.get(b"bin\xff") == b"\x00\x01"
+    # The etcd key is prefix + name: other etcd clients see exactly that.
+    value, _ = raw_client(etcd).get(prefix + "addr")
+    assert value == b"10.0.0.1:29500"
+
+
+def test_empty_prefix_maps_names_one_to_one(etcd, prefix):
+    with EtcdStore(endpoints=[etcd.endpoint]) as store:
+        store.set(prefix + "plain", "v")
+        assert raw_client(etcd).get(prefix + "plain")[0] == b"v"
+        assert store.get(prefix + "plain") == b"v"
+
+
+def test_str_and_bytes_names_are_the_same_key(store):
+    store.set("é", "1")
+    assert store.get("é".encode()) == b"1"
+    store.set("é".encode(), "2")
+    assert store.get("é") == b"2"
+
+
+def test_get_absent(store):
+    with pytest.raises(KeyNotFoundError) as info:
+        store.get("nope")
+    assert isinstance(info.value, KeyError)
+    assert "nope" in str(info.value)
+    sentinel = object()
+    assert store.get("nope", default=sentinel) is sentinel
+    assert store.get("nope", None) is None
+
+
+def test_get_timeout_blocks_until_created(store, etcd, prefix):
+    threading.Timer(0.2, lambda: raw_client(etcd).put(prefix + "late", "here")).start()
+    assert store.get("late", timeout=10) == b"here"
+
+
+def test_get_timeout_expires(store):
+    with pytest.raises(StoreTimeoutError) as info:
+        store.get("never", timeout=0.2)
+    assert isinstance(info.value, TimeoutError)
+    assert store.get("never", default=b"d", timeout=timedelta(milliseconds=100)) == b"d"
+
+
+def test_mget_order_defaults_and_errors(store):
+    store.set("a", "1")
+    store.set("c", "3")
+    assert store.mget(["a", "b", "c"], default=None) == [b"1", None, b"3"]
+    with pytest.raises(KeyNotFoundError):
+        store.mget(["a", "b"])
+    assert store.mget([]) == []
+
+
+def test_mget_blocks_for_absent_keys(store, etcd, prefix):
+    store.set("x", "1")
+    threading.Timer(0.2, lambda: raw_client(etcd).put(prefix + "y", "2")).start()
+    assert store.mget(["x", "y"], timeout=10) == [b"1", b"2"]
+    with pytest.raises(StoreTimeoutError):
+        store.mget(["x", "z"], timeout=0.2)
+
+
+def test_cold_mget_batches_into_txns(etcd, prefix):
+    raw = raw_client(etcd)
+    names = [f"k{i:04d}" for i in range(1000)]
+    for start in range(0, 1000, 100):
+        raw.transaction(compare=[], success=[
+            raw.transactions.put(prefix + n, n) for n in names[start:start + 100]], failure=[])
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix) as store:
+        before_txn = rpc_count(store.registry, "txn")
+        before_range = rpc_count(store.registry, "range")
+        values = store.mget(names)
+        assert values == [n.encode() for n in names]
+        assert rpc_count(store.registry, "txn") - before_txn == 8  # ceil(1000 / 128)
+        assert rpc_count(store.registry, "range") == before_range
+        # Warm: no RPC at all.
+        assert store.mget(names) == values
+        assert rpc_count(store.registry, "txn") - before_txn == 8
+        assert sample(store.registry, "cachedstore_cache_requests_total",
+                      op="mget", result="hit") == 1000
+
+
+def test_max_txn_ops_is_honoured(etcd, prefix):
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, max_txn_ops=10) as store:
+        store.mget([f"n{i}" for i in range(25)], default=None)
+        assert rpc_count(store.registry, "txn") == 3
+
+
+def test_delete(store):
+    store.set("d", "1")
+    assert store.delete("d") is True
+    assert store.delete("d") is False
+    assert store.get("d", default=None) is None
+
+
+def test_add_counts_atomically_across_stores(etcd, prefix):
+    stores = [EtcdStore(endpoints=[etcd.endpoint], prefix=prefix) for _ in range(3)]
+    try:
+        assert stores[0].add("ctr") == 1
+        assert stores[1].add("ctr", 10) == 11
+
+        def bump(s):
+            for _ in range(20):
+                s.add("ctr")
+
+        threads = [threading.Thread(target=bump, args=(s,)) for s in stores for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert stores[2].add("ctr", 0) == 11 + 120
+        assert stores[0].get("ctr") == b"131"
+        assert stores[0].add("ctr", -31) == 100
+    finally:
+        for s in stores:
+            s.close()
+
+
+def test_add_rejects_non_integers(store):
+    store.set("text", "abc")
+    with pytest.raises(NotAnIntegerError) as info:
+        store.add("text")
+    assert isinstance(info.value, ValueError)
+    assert store.get("text") == b"abc"  # unchanged
+    with pytest.raises(InvalidTypeError):
+        store.add("n", 1.5)  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError):
+        store.add("n", True)
+
+
+def test_compare_set_torch_semantics(store):
+    # Missing key, expected "" → created.
+    assert store.compare_set("k", "", "first") == b"first"
+    # Wrong expectation → current value, unchanged.
+    assert store.compare_set("k", "other", "x") == b"first"
+    # Right expectation → swapped.
+    assert store.compare_set("k", "first", "second") == b"second"
+    assert store.get("k") == b"second"
+    # Missing key, non-empty expected → expected returned, nothing created.
+    assert store.compare_set("m", "exp", "new") == b"exp"
+    assert store.get("m", default=None) is None
+    # Present with an empty value and expected "" → swapped.
+    store.set("e", "")
+    assert store.compare_set("e", "", "filled") == b"filled"
+
+
+def test_wait_and_check(store, etcd, prefix):
+    store.set("w1", "1")
+    assert store.check(["w1"]) is True
+    assert store.check(["w1", "w2"]) is False
+    threading.Timer(0.2, lambda: raw_client(etcd).put(prefix + "w2", "2")).start()
+    store.wait(["w1", "w2"], timeout=10)
+    assert store.check(["w1", "w2"]) is True
+    with pytest.raises(StoreTimeoutError):
+        store.wait(["w3"], timeout=0.1)
+
+
+def test_wait_uses_the_store_timeout_by_default(etcd, prefix):
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, timeout=0.2) as store:
+        started = time.monotonic()
+        with pytest.raises(StoreTimeoutError):
+            store.wait(["never"])
+        assert time.monotonic() - started < 5
+
+
+def test_num_keys(store):
+    assert store.num_keys() == 0
+    store.set("a", "1")
+    store.set("b", "1")
+    assert store.num_keys() == 2
+    store.delete("a")
+    assert store.num_keys() == 1
+
+
+def test_bad_input_is_rejected_before_anything_is_sent(store):
+    registry = store.registry
+    sent_before = sum(rpc_count(registry, m) for m in ("put", "range", "txn", "delete_range"))
+    with pytest.raises(InvalidTypeError):
+        store.set(1, "v")  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError):
+        store.set("k", 1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        store.get(["list"])  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError):
+        store.set("", "v")
+    with pytest.raises(ValueError) as info:
+        store.set("big", b"x" * 2_000_000)
+    assert "1572864" in str(info.value)
+    with pytest.raises(InvalidInputError):
+        store.get("")
+    with pytest.raises(InvalidInputError):
+        store.get("k", timeout=-1)
+    with pytest.raises(InvalidInputError):
+        store.compare_set("k", "", b"x" * 2_000_000)
+    sent_after = sum(rpc_count(registry, m) for m in ("put", "range", "txn", "delete_range"))
+    assert sent_after == sent_before
+    assert store.num_keys() == 0
+
+
+def test_value_at_the_limit_round_trips(store):
+    limit = store.config.max_request_bytes - 512 - len(store.prefix) - len("edge")
+    store.set("edge", b"v" * limit)
+    assert len(store.get("edge")) == limit
+
+
+def test_unreachable_cluster_raises_connection_error_promptly():
+    port = free_port()
+    started = time.monotonic()
+    with pytest.raises(EtcdConnectionError) as info:
+        EtcdStore("127.0.0.1", port, connect_timeout=1.0)
+    assert isinstance(info.value, ConnectionError)
+    assert time.monotonic() - started < 10
+    assert f"127.0.0.1:{port}" in str(info.value)
+
+
+def test_closed_store_refuses_operations(etcd, prefix):
+    store = EtcdStore(endpoints=[etcd.endpoint], prefix=prefix)
+    store.set("a", "1")
+    store.close()
+    store.close()  # idempotent
+    for call in (lambda: store.get("a"), lambda: store.set("a", "2"),
+                 lambda: store.mget(["a"]), lambda: store.num_keys()):
+        with pytest.raises(StoreClosedError):
+            call()
+    assert "closed" in repr(store)
+
+
+def test_close_releases_blocked_waiters(etcd, prefix):
+    store = EtcdStore(endpoints=[etcd.endpoint], prefix=prefix)
+    errors = []
+
+    def waiter():
+        try:
+            store.get("never", timeout=30)
+        except Exception as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    eventually(lambda: store.stats()["waiters"] == 1, what="waiter registered")
+    store.close()
+    t.join(10)
+    assert not t.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], StoreClosedError)
+
+
+def test_threads_are_named_and_stop_on_close(etcd, prefix):
+    before = {t.ident for t in threading.enumerate()}
+    store = EtcdStore(endpoints=[etcd.endpoint], prefix=prefix)
+    asyncio.run(store.aget("x", default=None))  # starts the aio executor
+    ours = [t for t in threading.enumerate() if t.ident not in before]
+    names = {t.name for t in ours}
+    assert any(n.startswith("cachedstore-watch-") for n in names)
+    store.close()
+    leftover = [t for t in threading.enumerate()
+                if t.name.startswith("cachedstore-") and t.is_alive()]
+    assert leftover == []
+
+
+def test_repr_and_stats(store):
+    store.set("a", "1")
+    text = repr(store)
+    assert "EtcdStore" in text and "watching" in text
+    stats = store.stats()
+    assert stats["watch_up"] is True and stats["entries"] >= 1
+
+
+def test_public_api_is_declared():
+    for name in cachedstore.__all__:
+        assert hasattr(cachedstore, name), name
+    assert issubclass(cachedstore.KeyNotFoundError, KeyError)
+    assert issubclass(cachedstore.StoreTimeoutError, TimeoutError)
+    assert issubclass(cachedstore.EtcdConnectionError, ConnectionError)
+    assert issubclass(cachedstore.EtcdPermissionError, PermissionError)
+    assert issubclass(cachedstore.InvalidInputError, ValueError)
+    assert issubclass(cachedstore.InvalidTypeError, TypeError)
+
+
+# -- asyncio -----------------------------------------------------------------------------
+def test_aget_hit_does_not_suspend(store):
+    store.set("hot", "v")
+    store.get("hot")
+    coro = store.aget("hot")
+    with pytest.raises(StopIteration) as done:
+        coro.send(None)  # completes on the first step: no await, no thread hop
+    assert done.value.value == b"v"
+
+
+def test_aget_miss_default_and_timeout(store):
+    async def main():
+        assert await store.aget("none", default=1) == 1
+        with pytest.raises(KeyNotFoundError):
+            await store.aget("none")
+        with pytest.raises(StoreTimeoutError):
+            await store.aget("none", timeout=0.1)
+
+    asyncio.run(main())
+
+
+def test_many_async_waiters_hold_no_threads(etcd, prefix):
+    """200 coroutines block on absent keys; the 4-thread executor is not held by them."""
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix) as store:
+        async def main():
+            tasks = [asyncio.ensure_future(store.aget(f"k{i}", timeout=30)) for i in range(200)]
+            await asyncio.to_thread(
+                eventually, lambda: store.stats()["waiters"] == 200, 20, 0.01, "waiters")
+            threads = [t for t in threading.enumerate() if t.name.startswith("cachedstore-aio")]
+            assert len(threads) <= 4
+            writer = EtcdStore(endpoints=[etcd.endpoint], prefix=prefix)
+            try:
+                for i in range(200):
+                    writer.set(f"k{i}", str(i))
+            finally:
+                writer.close()
+            return await asyncio.wait_for(asyncio.gather(*tasks), 30)
+
+        assert asyncio.run(main()) == [str(i).encode() for i in range(200)]
+
+
+def test_amget(store):
+    store.set("a", "1")
+    store.get("a")
+
+    async def main():
+        assert await store.amget(["a"]) == [b"1"]
+        assert await store.amget(["a", "b"], default=None) == [b"1", None]
+        with pytest.raises(KeyNotFoundError):
+            await store.amget(["a", "b"])
+
+    asyncio.run(main())

@@ -1,0 +1,52 @@
+"""Small helpers shared by the tests (no fixtures here: those live in conftest.py)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import etcd3
+from prometheus_client import CollectorRegistry
+
+from cachedstore.server import LocalEtcd
+
+T = TypeVar("T")
+
+
+def raw_client(server: LocalEtcd) -> etcd3.Etcd3Client:
+    """A plain python3-etcd3 client: "another process" writing to the same etcd."""
+    host, port = server.endpoint.rsplit(":", 1)
+    return etcd3.client(host=host, port=int(port), timeout=10)
+
+
+def eventually(check: Callable[[], T], timeout: float = 10.0, interval: float = 0.005,
+               what: str = "condition") -> T:
+    """Poll ``check`` until it returns a truthy value; fail the test after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout} s (last: {value!r})")
+        time.sleep(interval)
+
+
+def sample(registry: CollectorRegistry | None, name: str, **labels: str) -> float:
+    """The value of one sample of a registry (0.0 when absent)."""
+    assert registry is not None
+    value = registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+def rpc_count(registry: CollectorRegistry | None, method: str) -> float:
+    """RPCs of ``method`` the store sent to etcd, all codes."""
+    assert registry is not None
+    total = 0.0
+    for family in registry.collect():
+        if family.name == "cachedstore_etcd_requests":
+            for s in family.samples:
+                if s.name.endswith("_total") and s.labels.get("method") == method:
+                    total += s.value
+    return total
