@@ -1,0 +1,138 @@
+"""CoherentCache on its own: the revision rules, without etcd (pure data structure)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client import CollectorRegistry
+
+from cachedstore.cache import NOT_SERVING, AsyncWaiter, CoherentCache, ThreadWaiter
+from cachedstore.metrics import make_metrics
+
+
+def make(maxsize: int = 100) -> tuple[CoherentCache, CollectorRegistry]:
+    registry = CollectorRegistry()
+    cache = CoherentCache(maxsize, make_metrics(registry))
+    cache.watch_up(0)
+    return cache, registry
+
+
+def test_not_served_until_the_watch_is_up():
+    cache = CoherentCache(10, make_metrics(None, enabled=False))
+    cache.apply_write("k", b"v", 5)
+    assert cache.floor == NOT_SERVING and cache.lookup("k") is None
+    cache.watch_up(5)
+    assert cache.lookup("k") == (b"v", 5, 5)
+    cache.watch_down()
+    assert cache.lookup("k") is None
+    assert cache.peek("k") == (b"v", 5, 5)
+
+
+def test_older_events_never_replace_newer_state():
+    cache, _ = make()
+    cache.apply_events([("k", b"new", 10)], 10)
+    cache.apply_events([("k", b"old", 7)], 7)
+    assert cache.lookup("k")[0] == b"new"
+    cache.apply_events([("k", None, 11)], 11)
+    assert cache.lookup("k") == (None, 11, 11)
+
+
+def test_own_write_then_its_event_is_a_no_op():
+    cache, _ = make()
+    cache.apply_write("k", b"mine", 20)
+    cache.apply_events([("k", b"mine", 20)], 20)
+    assert cache.lookup("k") == (b"mine", 20, 20)
+
+
+def test_fill_refused_if_a_newer_event_arrived_while_in_flight_even_if_evicted():
+    cache, registry = make(maxsize=1)
+    token = cache.begin_fill(["k"])
+    cache.apply_events([("k", b"new", 12)], 12)
+    cache.apply_events([("other", b"x", 13)], 13)  # evicts k
+    assert cache.peek("k") is None
+    dropped = cache.end_fill(["k"], token, {"k": (b"old", 3)}, 11)
+    assert dropped == 1
+    assert cache.peek("k") is None
+    assert registry.get_sample_value("cachedstore_fills_dropped_total") == 1
+
+
+def test_fill_accepted_when_nothing_newer_happened():
+    cache, _ = make()
+    token = cache.begin_fill(["k", "absent"])
+    cache.apply_events([("k", b"older", 4)], 4)  # older than the read: the read includes it
+    assert cache.end_fill(["k", "absent"], token, {"k": (b"v", 5)}, 9) == 0
+    assert cache.lookup("k") == (b"v", 9, 5)
+    assert cache.lookup("absent") == (None, 9, 0)  # negative entry, as of revision 9
+
+
+def test_fill_refused_after_a_reset():
+    cache, _ = make()
+    token = cache.begin_fill(["k"])
+    cache.reset(50)
+    assert cache.end_fill(["k"], token, {"k": (b"v", 5)}, 40) == 1
+    assert cache.peek("k") is None and cache.applied_revision == 50
+
+
+def test_failed_read_only_unregisters():
+    cache, _ = make()
+    token = cache.begin_fill(["k"])
+    assert cache.end_fill(["k"], token, None, 0) == 0
+    assert cache._inflight == {} and cache._dirty == {}
+
+
+def test_catch_up_floor_after_reconnect():
+    cache, _ = make()
+    cache.apply_events([("old", b"1", 5)], 5)
+    cache.watch_down()
+    cache.watch_up(9)  # events 6..9 are being replayed
+    assert cache.lookup("old") is None  # as of 5 < 9: not served yet
+    cache.apply_write("fresh", b"f", 10)
+    assert cache.lookup("fresh")[0] == b"f"  # as of 10 >= 9: served
+    cache.apply_events([("x", b"x", 9)], 9)  # caught up
+    assert cache.floor == 0 and cache.lookup("old")[0] == b"1"
+
+
+def test_eviction_counted_and_bounded():
+    cache, registry = make(maxsize=3)
+    for i in range(10):
+        cache.apply_events([(f"k{i}", b"v", i + 1)], i + 1)
+    assert len(cache) == 3
+    assert registry.get_sample_value("cachedstore_cache_evictions_total") == 7
+    assert registry.get_sample_value("cachedstore_cache_entries") == 3
+
+
+def test_waiters_woken_by_put_only_for_their_key():
+    cache, registry = make()
+    a, b = ThreadWaiter(), ThreadWaiter()
+    cache.add_waiter("a", a)
+    cache.add_waiter("b", b)
+    assert registry.get_sample_value("cachedstore_waiters") == 2
+    cache.apply_events([("a", None, 3)], 3)  # a delete wakes nobody
+    assert not a.event.is_set()
+    cache.apply_events([("a", b"1", 4)], 4)
+    assert a.event.is_set() and a.value == b"1" and not b.event.is_set()
+    cache.remove_waiter("a", a)
+    cache.remove_waiter("b", b)
+    assert registry.get_sample_value("cachedstore_waiters") == 0
+
+
+def test_async_waiter_woken_from_another_thread():
+    cache, _ = make()
+
+    async def main():
+        waiter = AsyncWaiter(asyncio.get_running_loop())
+        cache.add_waiter("k", waiter)
+        await asyncio.to_thread(cache.apply_write, "k", b"v", 8)
+        return await asyncio.wait_for(waiter.future, 5)
+
+    assert asyncio.run(main()) == b"v"
+
+
+def test_close_releases_waiters_and_stops_serving():
+    cache, _ = make()
+    cache.apply_write("k", b"v", 1)
+    waiter = ThreadWaiter()
+    cache.add_waiter("x", waiter)
+    cache.close()
+    assert waiter.event.is_set() and waiter.value is None
+    assert cache.closed and cache.lookup("k") is None
