@@ -297,3 +297,18 @@ def test_only_one_watch_stream_per_store(etcd, prefix):
         store.mget([f"k{i}" for i in range(20)])
         after = etcd.etcd_metric("grpc_server_started_total", {"grpc_method": "Watch"})
     assert after - before == 1
+
+
+def test_an_idle_watch_is_kept_alive_by_progress_responses(etcd, prefix):
+    """A quiet prefix is not a stalled stream: progress responses prove liveness."""
+    with open_store(etcd, prefix, stall_timeout=0.6, progress_interval=0.2) as store:
+        store.set("k", "v")
+        streams = {"grpc_method": "Watch"}
+        streams_before = etcd.etcd_metric("grpc_server_started_total", streams)
+        assert streams_before >= 1
+        deadline = threading.Event()
+        deadline.wait(2.0)  # ten progress intervals, three stall timeouts, nothing written
+        assert store.watch_healthy
+        assert store._watcher.restarts == 0
+        assert store.get("k") == b"v"
+        assert etcd.etcd_metric("grpc_server_started_total", streams) == streams_before
