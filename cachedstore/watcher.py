@@ -143,8 +143,11 @@ class Watcher:
             self._set_down()
             self.restarts += 1
             self._metrics.restart(reason)
-            log.warning("cachedstore watch restarting (%s) from revision %d: %s",
-                        reason, self._revision + 1, self.last_error)
+            # Warn once per outage; the retries that follow are logged at debug level.
+            log.log(logging.WARNING if self._stream_was_healthy or attempt == 0
+                    else logging.DEBUG,
+                    "cachedstore watch restarting (%s) from revision %d: %s",
+                    reason, self._revision + 1, self.last_error)
             if reason == "compacted":
                 self._needs_resync = True
             # A stream that got as far as being created starts the back-off over.
