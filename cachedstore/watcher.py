@@ -75,8 +75,11 @@ class Watcher:
         self.ready = threading.Event()
         #: True while the stream is healthy and the cache may be served.
         self.up = False
-        #: ``time.monotonic()`` of the last message from etcd on the stream.
+        #: ``time.monotonic()`` of the last message from etcd that found the cache caught
+        #: up (the reference of ``max_staleness``). Reconnect attempts do not move it.
         self.last_contact = 0.0
+        #: ``time.monotonic()`` of the current stream's start or last message (stall watchdog).
+        self._stream_contact = 0.0
         #: The error that ended the last stream, if any (for the constructor's message).
         self.last_error: BaseException | None = None
         self.restarts = 0
@@ -184,7 +187,7 @@ class Watcher:
                 except queue.Empty:
                     if self._stopping.is_set():
                         return
-                    if time.monotonic() - self.last_contact > stall_timeout:
+                    if time.monotonic() - self._stream_contact > stall_timeout:
                         stalled.set()
                         self._cache.watch_down()  # stop serving now, not after the cancel
                         call.cancel()
@@ -195,17 +198,19 @@ class Watcher:
                     return
                 yield item
 
-        self.last_contact = time.monotonic()
+        self._stream_contact = time.monotonic()
         call = endpoint.watch.Watch(request_stream(), metadata=self._conn.metadata())
         self._call = call
         if self._stopping.is_set():
             call.cancel()
         try:
             for response in call:
-                self.last_contact = time.monotonic()
+                self._stream_contact = time.monotonic()
                 reason = self._handle(response)
                 if reason is not None:
                     return reason
+                if self._cache.floor == 0:  # caught up: the cache is confirmed current
+                    self.last_contact = self._stream_contact
             self.last_error = None
             return "ended"
         except grpc.RpcError as exc:
