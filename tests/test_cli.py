@@ -1,0 +1,377 @@
+"""The operator CLI against real etcd: output, exit codes, one-line errors, env variables.
+
+Most commands run in-process through ``cachedstore.cli.main`` (fast); the ones whose point
+is a process boundary (``python -m cachedstore``, signals, ``cachedstore etcd``) run as
+subprocesses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from cachedstore import EtcdStore
+from cachedstore.cli import EXIT_CODES_HELP, main
+from cachedstore.server import LocalEtcd, free_port, make_tls_files
+
+pytestmark = pytest.mark.timeout(60)
+
+ENV_VARS = ("CACHEDSTORE_ENDPOINTS", "CACHEDSTORE_PREFIX", "CACHEDSTORE_CACERT",
+            "CACHEDSTORE_CERT", "CACHEDSTORE_KEY", "CACHEDSTORE_USER", "CACHEDSTORE_PASSWORD",
+            "CACHEDSTORE_DIAL_TIMEOUT")
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+class Run:
+    """What an in-process ``cachedstore`` invocation produced."""
+
+    def __init__(self, code: int, out: bytes, err: bytes) -> None:
+        self.code, self.out, self.err = code, out, err.decode()
+
+    @property
+    def text(self) -> str:
+        return self.out.decode()
+
+    def json(self) -> Any:
+        return json.loads(self.out)
+
+
+@pytest.fixture
+def cli(capfdbinary: pytest.CaptureFixture[bytes]):
+    def run(*argv: str) -> Run:
+        code = main(list(argv))
+        out, err = capfdbinary.readouterr()
+        return Run(code, out, err)
+
+    return run
+
+
+def one_error_line(run: Run, command: str) -> str:
+    """The single stderr line of a failed command (and no traceback)."""
+    lines = run.err.strip().splitlines()
+    assert len(lines) == 1, run.err
+    assert lines[0].startswith(f"cachedstore {command}: error: "), lines[0]
+    assert "Traceback" not in run.err
+    return lines[0]
+
+
+def conn(etcd: LocalEtcd, prefix: str) -> list[str]:
+    return ["--endpoints", etcd.endpoint, "--prefix", prefix]
+
+
+def python_m(*args: str, env: dict[str, str] | None = None, timeout: float = 30
+             ) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "cachedstore", *args], capture_output=True,
+                          text=True, timeout=timeout, env=full_env, check=False)
+
+
+# --------------------------------------------------------------------------- get/set/delete
+
+
+def test_set_get_delete_roundtrip(cli, etcd: LocalEtcd, prefix: str) -> None:
+    c = conn(etcd, prefix)
+    assert cli("set", "master_addr", "10.0.0.1:29500", *c).text == "OK\n"
+    run = cli("get", "master_addr", *c)
+    assert (run.code, run.out) == (0, b"10.0.0.1:29500\n")
+    assert cli("get", "master_addr", "--json", *c).json() == {
+        "name": "master_addr", "value": "10.0.0.1:29500"}
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix) as store:  # really in etcd
+        assert store.get("master_addr") == b"10.0.0.1:29500"
+    assert cli("delete", "master_addr", "--json", *c).json() == {
+        "name": "master_addr", "deleted": True}
+    run = cli("get", "master_addr", *c)
+    assert run.code == 1 and run.out == b""
+    assert "key not found: 'master_addr'" in one_error_line(run, "get")
+
+
+def test_delete_missing_key_exits_1(cli, etcd: LocalEtcd, prefix: str) -> None:
+    run = cli("delete", "never-set", *conn(etcd, prefix))
+    assert run.code == 1
+    assert "key not found" in one_error_line(run, "delete")
+
+
+def test_get_timeout_waits_then_exits_5(cli, etcd: LocalEtcd, prefix: str) -> None:
+    started = time.monotonic()
+    run = cli("get", "late", "--timeout", "0.3", *conn(etcd, prefix))
+    assert run.code == 5 and time.monotonic() - started >= 0.3
+    assert "timed out after 0.3 s" in one_error_line(run, "get")
+
+
+def test_get_timeout_returns_the_key_once_created(etcd: LocalEtcd, prefix: str) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cachedstore", "get", "late", "--timeout", "30",
+         *conn(etcd, prefix)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix) as store:
+            store.set("late", "here")  # before or after the get starts: both must work
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert (proc.returncode, out, err) == (0, b"here\n", b"")
+
+
+def test_set_reads_stdin_and_binary_values(etcd: LocalEtcd, prefix: str) -> None:
+    value = b"\x00\xffbinary\n"
+    done = subprocess.run([sys.executable, "-m", "cachedstore", "set", "blob", "-",
+                           *conn(etcd, prefix)], input=value, capture_output=True, timeout=30,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix) as store:
+        assert store.get("blob") == value
+
+
+def test_environment_variables(cli, etcd: LocalEtcd, prefix: str,
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CACHEDSTORE_ENDPOINTS", f"127.0.0.1:{free_port()},{etcd.endpoint}")
+    monkeypatch.setenv("CACHEDSTORE_PREFIX", prefix)
+    monkeypatch.setenv("CACHEDSTORE_DIAL_TIMEOUT", "5")
+    assert cli("set", "from-env", "yes").code == 0  # fails over to the live endpoint
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix) as store:
+        assert store.get("from-env") == b"yes"
+    # flags win over the environment
+    other = prefix + "other/"
+    assert cli("set", "k", "v", "--prefix", other).code == 0
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=other) as store:
+        assert store.get("k") == b"v"
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_unreachable_endpoint_exits_3_quickly(cli) -> None:
+    port = free_port()  # nothing listens there
+    started = time.monotonic()
+    run = cli("get", "k", "--endpoints", f"127.0.0.1:{port}", "--dial-timeout", "0.5")
+    elapsed = time.monotonic() - started
+    assert run.code == 3
+    line = one_error_line(run, "get")
+    assert f"127.0.0.1:{port}" in line and "unreachable" in line
+    assert elapsed < 5.0  # bounded by --dial-timeout (plus slack), not the 10 s default
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["get"], "the following arguments are required: name"),
+    (["set", "k"], "the following arguments are required: value"),
+    (["get", "k", "--dial-timeout", "0"], "must be > 0 seconds"),
+    (["get", "k", "--timeout", "soon"], "not a number of seconds"),
+    (["watch", "--count", "0"], "must be >= 1"),
+    (["etcd", "--port", "70000"], "not a TCP port"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_usage_errors_exit_2_with_one_line(cli, argv: list[str], message: str) -> None:
+    run = cli(*argv)
+    assert run.code == 2
+    lines = run.err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "--help" in lines[0], run.err
+
+
+def test_no_command_prints_help_and_exits_2(cli) -> None:
+    run = cli()
+    assert run.code == 2 and "usage: cachedstore" in run.err
+
+
+def test_invalid_input_exits_2(cli, etcd: LocalEtcd, prefix: str) -> None:
+    run = cli("get", "k", "--user", "root", "--endpoints", etcd.endpoint)  # no password
+    assert run.code == 2
+    assert "CACHEDSTORE_PASSWORD" in one_error_line(run, "get")
+    run = cli("get", "k", "--cacert", "/nonexistent/ca.pem", *conn(etcd, prefix))
+    assert run.code == 2
+    assert "cannot read TLS file" in one_error_line(run, "get")
+
+
+def test_auth_wrong_password_exits_4_and_env_password_works(
+        cli, etcd_factory, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    server = etcd_factory()
+    server.enable_auth("rootpw")
+    c = ["--endpoints", server.endpoint, "--prefix", prefix, "--user", "root"]
+    run = cli("get", "k", *c, "--password", "wrong")
+    assert run.code == 4
+    assert "authentication failed" in one_error_line(run, "get")
+    monkeypatch.setenv("CACHEDSTORE_PASSWORD", "rootpw")
+    assert cli("set", "k", "v", *c).code == 0
+    assert cli("get", "k", *c).out == b"v\n"
+    # a user without a role on the prefix: permission denied
+    server.etcdctl("user", "add", "nobody", "--interactive=false", input="nobodypw\n",
+                   user="root", password="rootpw")
+    monkeypatch.setenv("CACHEDSTORE_PASSWORD", "nobodypw")
+    run = cli("get", "k", "--endpoints", server.endpoint, "--prefix", prefix,
+              "--user", "nobody")
+    assert run.code == 4
+    assert "permission denied" in one_error_line(run, "get")
+
+
+def test_tls_flags(cli, etcd_factory, prefix: str, tmp_path: Path) -> None:
+    tls = make_tls_files(tmp_path / "good")
+    server = etcd_factory(tls=tls)
+    c = ["--endpoints", server.endpoint, "--prefix", prefix]
+    assert cli("set", "secure", "yes", *c, "--cacert", tls.ca_cert).code == 0
+    assert cli("get", "secure", *c, "--cacert", tls.ca_cert).out == b"yes\n"
+    wrong_ca = make_tls_files(tmp_path / "other").ca_cert
+    run = cli("get", "secure", *c, "--cacert", wrong_ca, "--dial-timeout", "1")
+    assert run.code == 3
+    assert "TLS" in one_error_line(run, "get")
+
+
+# --------------------------------------------------------------------------- stats, help
+
+
+def test_stats_json_and_text(cli, etcd: LocalEtcd, prefix: str) -> None:
+    c = conn(etcd, prefix)
+    cli("set", "a", "1", *c)
+    cli("set", "b", "2", *c)
+    run = cli("stats", "--json", *c)
+    assert run.code == 0
+    report = run.json()
+    assert set(report) == {"store", "keys_under_prefix", "etcd", "requests_made_by_this_command"}
+    assert report["keys_under_prefix"] == 2
+    assert report["store"]["prefix"] == prefix and report["store"]["watch_up"] is True
+    assert report["etcd"]["version"].startswith("3.")
+    assert report["etcd"]["revision"] >= 2
+    assert report["requests_made_by_this_command"]["range:ok"] >= 1
+    text = cli("stats", *c).text
+    assert "keys under prefix          2" in text and "etcd version" in text
+
+
+def test_help_on_every_command_documents_exit_codes() -> None:
+    commands = ["demo", "get", "set", "delete", "watch", "stats", "etcd"]
+    top = python_m("--help")
+    assert top.returncode == 0
+    assert EXIT_CODES_HELP.strip() in top.stdout
+    for command in commands:
+        assert command in top.stdout
+        done = python_m(command, "--help")
+        assert done.returncode == 0, done.stderr
+        assert f"usage: cachedstore {command}" in done.stdout
+        assert "130  interrupted" in done.stdout
+    assert "CACHEDSTORE_ENDPOINTS" in python_m("get", "--help").stdout
+
+
+def test_console_script_and_version() -> None:
+    from cachedstore import __version__
+
+    done = subprocess.run(["cachedstore", "--version"], capture_output=True, text=True,
+                          timeout=30, check=False)
+    assert (done.returncode, done.stdout.strip()) == (0, f"cachedstore {__version__}")
+
+
+# --------------------------------------------------------------------------- watch
+
+
+def start_watch(etcd: LocalEtcd, prefix: str, *extra: str) -> subprocess.Popen[str]:
+    """A ``cachedstore watch`` subprocess, returned once its watch exists (it says so on
+    stderr after etcd confirmed the watch)."""
+    env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
+    proc = subprocess.Popen([sys.executable, "-m", "cachedstore", "watch", *conn(etcd, prefix),
+                             *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    assert proc.stderr is not None
+    line = proc.stderr.readline()
+    assert line.startswith(f"watching {prefix} on {etcd.endpoint}"), line
+    return proc
+
+
+def test_watch_prints_changes_until_count(etcd: LocalEtcd, prefix: str) -> None:
+    proc = start_watch(etcd, prefix, "--count", "3", "--json")
+    try:
+        with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix.rstrip("/") + "-x/") as other:
+            other.set("a", "not under the watched prefix")
+        with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix) as store:
+            store.set("a", "1")
+            store.set("b", "2")
+            store.delete("a")
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    events = [json.loads(line) for line in out.splitlines()]
+    assert [(e["type"], e["name"], e.get("value")) for e in events] == [
+        ("PUT", "a", "1"), ("PUT", "b", "2"), ("DELETE", "a", None)]
+    assert events[0]["revision"] < events[1]["revision"] < events[2]["revision"]
+
+
+def test_watch_text_output_and_ctrl_c(etcd: LocalEtcd, prefix: str) -> None:
+    proc = start_watch(etcd, prefix)
+    try:
+        with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix) as store:
+            store.set("k", "hello world")
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "PUT k hello world\n"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=15)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "Traceback" not in err
+
+
+def test_watch_count_not_reached_by_timeout_exits_5(etcd: LocalEtcd, prefix: str) -> None:
+    done = python_m("watch", "--count", "1", "--timeout", "0.5", *conn(etcd, prefix))
+    assert done.returncode == 5
+    assert done.stderr.strip().splitlines()[-1] == (
+        "cachedstore watch: error: saw 0 of 1 events in 0.5 s")
+    done = python_m("watch", "--timeout", "0.3", *conn(etcd, prefix))
+    assert done.returncode == 0  # no --count: the timeout is just the end
+
+
+# --------------------------------------------------------------------------- cachedstore etcd
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_etcd_command_serves_until_ctrl_c(tmp_path: Path) -> None:
+    port = free_port()
+    data = tmp_path / "data"
+    env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
+    proc = subprocess.Popen([sys.executable, "-m", "cachedstore", "etcd", "--port", str(port),
+                             "--data-dir", str(data)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith(f"etcd serving on http://127.0.0.1:{port}"), line
+        children = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                    if c.name() == "etcd"]
+        assert len(children) == 1
+        etcd_pid = children[0].pid
+        with EtcdStore(port=port, host="127.0.0.1") as store:
+            store.set("/dev/hello", "world")
+        # the port is taken now: a second one fails with one line, exit 3
+        second = python_m("etcd", "--port", str(port))
+        assert second.returncode == 3
+        assert second.stderr.strip().splitlines() == [
+            f"cachedstore etcd: error: cannot start etcd: 127.0.0.1:{port} is not available "
+            f"(Address already in use); pick another --port"]
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0
+    assert _gone(etcd_pid)
+    assert (data / "member").is_dir()  # --data-dir is kept
+
+
+def test_python_m_unreachable_one_line() -> None:
+    done = python_m("set", "k", "v", "--endpoints", f"127.0.0.1:{free_port()}",
+                    "--dial-timeout", "0.3")
+    assert done.returncode == 3
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
