@@ -1,0 +1,280 @@
+"""TorchEtcdStore: torch's c10d Store on etcd v3, driven by torch's own C++ where possible."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from util import eventually, raw_client, rpc_count
+
+from cachedstore import EtcdStore
+from cachedstore.server import free_port
+from cachedstore.torch import TorchEtcdStore
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+def tstore(etcd, prefix):
+    with TorchEtcdStore(endpoints=[etcd.endpoint], prefix=prefix,
+                        timeout=timedelta(seconds=10)) as store:
+        yield store
+
+
+def _another(etcd, prefix, **kwargs) -> TorchEtcdStore:
+    """A second store on the same prefix: "another process" as far as etcd can tell (its
+    own connection, cache and watch)."""
+    return TorchEtcdStore(endpoints=[etcd.endpoint], prefix=prefix, **kwargs)
+
+
+def test_torch_cpp_self_test_of_a_python_store(tstore, etcd, prefix):
+    # torch's C++ drives the store through its trampoline: add, set, get, clone + get.
+    dist._test_python_store(tstore)
+    raw = raw_client(etcd)
+    assert raw.get(prefix + "key")[0] == b"6"
+    assert raw.get(prefix + "key3")[0] == b"15"
+    assert raw.get(prefix + "foo")[0] == b"bar"  # set on the store, read through the clone
+
+
+def test_every_trampoline_method_under_cpp_prefix_store(tstore, etcd, prefix):
+    p = dist.PrefixStore("pg", tstore)  # C++: each call below crosses into Python
+    p.set("a", "1")
+    assert p.get("a") == b"1"
+    assert p.add("n", 3) == 3 and p.add("n", -1) == 2
+    assert p.compare_set("a", "1", "2") == b"2"
+    assert p.compare_set("a", "1", "3") == b"2"  # mismatch: the current value, unchanged
+    assert p.compare_set("fresh", "", "v") == b"v"  # absent + empty expected: created
+    assert p.compare_set("absent", "x", "y") == b"x"  # absent: expected, nothing created
+    assert p.check(["a", "n"]) and not p.check(["a", "absent"])
+    p.wait(["a"])
+    p.wait(["a", "n"], timedelta(seconds=1))
+    p.append("log", "x")
+    p.append("log", b"y")
+    assert p.get("log") == b"xy"
+    assert p.has_extended_api()
+    p.multi_set(["m1", "m2"], ["v1", b"v2"])
+    assert p.multi_get(["m1", "m2", "a"]) == [b"v1", b"v2", b"2"]
+    assert p.num_keys() == 6  # a n fresh log m1 m2: nothing else under the prefix
+    assert p.delete_key("fresh") and not p.delete_key("fresh")
+    p.barrier("b", 1)  # torch's C++ barrier on top of add/wait
+    raw = raw_client(etcd)
+    assert raw.get(prefix + "pg/a")[0] == b"2"
+    assert raw.get(prefix + "pg/log")[0] == b"xy"
+    assert raw.get(prefix + "pg/fresh")[0] is None
+
+
+def test_python_and_cpp_method_names(tstore):
+    tstore.set("k", "v")
+    assert tstore.num_keys() == tstore.getNumKeys() == 1
+    assert tstore.delete_key("k") and not tstore.deleteKey("k")
+
+
+def test_store_only_held_by_cpp_stays_callable(etcd, prefix):
+    # The one-line swap hands the store to C++ and drops the Python reference.
+    p = dist.PrefixStore("x", _another(etcd, prefix))
+    gc.collect()
+    p.set("k", "v")
+    assert p.get("k") == b"v"
+    inner = p.underlying_store
+    assert isinstance(inner, TorchEtcdStore)
+    inner.close()
+    assert inner.etcd_store.closed
+
+
+def test_get_of_absent_key_blocks_on_the_watch_until_another_process_sets_it(
+        tstore, etcd, prefix):
+    other = _another(etcd, prefix)
+    results: list[bytes] = []
+    reader = threading.Thread(target=lambda: results.append(tstore.get("late")),
+                              name="test-blocked-get")
+    reader.start()
+    try:
+        eventually(lambda: tstore.etcd_store.stats()["waiters"] >= 1, what="waiter registered")
+        ranges = rpc_count(tstore.etcd_store.registry, "range")
+        other.set("late", "here")
+        reader.join(10)
+        assert results == [b"here"]
+        # Woken by the watch event: at most the one re-check read, no polling.
+        assert rpc_count(tstore.etcd_store.registry, "range") - ranges <= 1
+    finally:
+        other.close()
+        reader.join(10)
+
+
+def test_timeouts_raise_dist_store_error(tstore):
+    tstore.set_timeout(timedelta(milliseconds=200))
+    started = time.monotonic()
+    with pytest.raises(dist.DistStoreError, match="timeout") as info:
+        tstore.get("never")
+    assert time.monotonic() - started < 5
+    assert isinstance(info.value, RuntimeError)  # what torch's barrier retry loops catch
+    with pytest.raises(dist.DistStoreError, match="timeout"):
+        tstore.wait(["never"], timedelta(milliseconds=100))
+    with pytest.raises(dist.DistStoreError, match="timeout"):
+        tstore.multi_get(["never"])
+    # Through C++ (PrefixStore), the Python exception comes back as itself.
+    p = dist.PrefixStore("p", tstore)
+    with pytest.raises(dist.DistStoreError, match="timeout"):
+        p.get("never")
+    with pytest.raises(dist.DistStoreError, match="timeout"):
+        p.wait(["never"], timedelta(milliseconds=100))
+
+
+def test_unreachable_etcd_raises_dist_network_error(prefix):
+    with pytest.raises(dist.DistNetworkError):
+        TorchEtcdStore(endpoints=[f"127.0.0.1:{free_port()}"], prefix=prefix,
+                       connect_timeout=0.5)
+
+
+def test_counters_compare_set_append_delete_are_atomic_across_stores(tstore, etcd, prefix):
+    stores = [tstore] + [_another(etcd, prefix) for _ in range(3)]
+    adds: list[int] = []
+    winners: list[int] = []
+    deleted: list[bool] = []
+    tstore.set("victim", "x")
+    lock = threading.Lock()
+
+    def work(i: int, store: TorchEtcdStore) -> None:
+        mine = [store.add("counter", 1) for _ in range(20)]
+        for j in range(10):
+            store.append("log", f"<{i}.{j}>")
+        if store.compare_set("leader", "", str(i)) == str(i).encode():
+            with lock:
+                winners.append(i)
+        gone = store.delete_key("victim")
+        with lock:
+            adds.extend(mine)
+            deleted.append(gone)
+
+    threads = [threading.Thread(target=work, args=(i, s), name=f"test-atomic-{i}")
+               for i, s in enumerate(stores)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert sorted(adds) == list(range(1, 81))  # every add saw a distinct value
+        log = tstore.get("log").decode()
+        tokens = sorted(log.strip("<>").split("><"))
+        assert tokens == sorted(f"{i}.{j}" for i in range(4) for j in range(10))
+        assert len(winners) == 1
+        assert tstore.get("leader") == str(winners[0]).encode()
+        assert deleted.count(True) == 1
+        assert raw_client(etcd).get(prefix + "counter")[0] == b"80"
+    finally:
+        for s in stores[1:]:
+            s.close()
+
+
+def test_etcd_store_append_never_trusts_a_stale_cache_entry(etcd, prefix, monkeypatch):
+    # EtcdStore.append (added for torch's append) swaps on mod_revision: a stale guess from
+    # the cache costs one failed compare, never a lost or doubled append.
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix) as store:
+        raw_client(etcd).put(prefix + "k", "fresh")
+        monkeypatch.setattr(store._cache, "peek", lambda name: (b"stale", 1, 1))
+        txns = rpc_count(store.registry, "txn")
+        assert store.append("k", "+1") == b"fresh+1"
+        assert rpc_count(store.registry, "txn") - txns == 2  # the failed compare, the put
+        assert raw_client(etcd).get(prefix + "k")[0] == b"fresh+1"
+        monkeypatch.undo()
+        assert store.get("k") == b"fresh+1"  # read-your-writes
+        assert store.append("new", b"\x00") == b"\x00"
+
+
+def test_clone_shares_the_connection_and_works_from_another_thread(etcd, prefix):
+    origin = _another(etcd, prefix, timeout=timedelta(seconds=7))
+    clone = origin.clone()
+    assert isinstance(clone, TorchEtcdStore)
+    assert clone.etcd_store is origin.etcd_store
+    assert clone.timeout == timedelta(seconds=7)
+    seen: list[bytes] = []
+    t = threading.Thread(target=lambda: (clone.set("c", "1"), seen.append(clone.get("c"))),
+                         name="test-clone")
+    t.start()
+    t.join(10)
+    assert seen == [b"1"] and origin.get("c") == b"1"
+    clone.close()  # a clone does not own the connection
+    assert not origin.etcd_store.closed
+    again = origin.clone()
+    origin.close()  # the owner does: its clones are closed with it
+    with pytest.raises(dist.DistStoreError, match="closed"):
+        again.get("c")
+
+
+def test_pickle_rebuilds_the_store_from_its_settings(tstore, etcd, prefix):
+    tstore.set("k", "v")
+    copy = pickle.loads(pickle.dumps(tstore))
+    try:
+        assert copy.etcd_store is not tstore.etcd_store
+        assert copy.prefix == tstore.prefix and copy.timeout == tstore.timeout
+        assert copy.get("k") == b"v"
+    finally:
+        copy.close()
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix) as etcd_store:
+        wrapped = TorchEtcdStore(store=etcd_store)
+        with pytest.raises(TypeError, match="cannot be pickled"):
+            pickle.dumps(wrapped)
+        wrapped.close()
+        assert not etcd_store.closed  # built around it: not ours to close
+
+
+_WORKER = textwrap.dedent("""
+    import json, sys
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    from cachedstore.torch import TorchEtcdStore
+
+    endpoint, prefix, rank, world = sys.argv[1], sys.argv[2], int(sys.argv[3]), 4
+    store = TorchEtcdStore(endpoints=[endpoint], prefix=prefix, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total)
+    dist.barrier()
+    low, high = dist.new_group([0, 1]), dist.new_group([2, 3])
+    sub = torch.tensor([float(rank + 1)])
+    dist.all_reduce(sub, group=low if rank < 2 else high)
+    dist.barrier()
+    dist.destroy_process_group()
+    print(json.dumps({"rank": rank, "total": total.item(), "sub": sub.item()}), flush=True)
+    store.close()
+""")
+
+
+def test_four_processes_init_process_group_all_reduce_barrier_new_group(
+        etcd, prefix, tmp_path: Path):
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER)
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(script), etcd.endpoint, prefix, str(r)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env, start_new_session=True) for r in range(4)]
+    outputs = []
+    try:
+        deadline = time.monotonic() + 75
+        for proc in procs:
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            assert proc.returncode == 0, err[-3000:]
+            outputs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    assert sorted(o["rank"] for o in outputs) == [0, 1, 2, 3]
+    assert all(o["total"] == 10.0 for o in outputs)
+    assert {o["rank"]: o["sub"] for o in outputs} == {0: 3.0, 1: 3.0, 2: 7.0, 3: 7.0}
+    # The process group's bootstrap went through etcd, under the store's prefix.
+    assert raw_client(etcd).get_prefix(prefix, keys_only=True)
