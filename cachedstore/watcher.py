@@ -11,7 +11,10 @@ dies silently and cannot resume). It covers the store's whole prefix and:
 - treats a cancel (permission, auth) and a clean end of the stream as failures;
 - sends a progress request whenever the stream has been quiet for ``progress_interval``
   and declares the stream stalled when nothing at all arrived for ``stall_timeout``:
-  a silent partition is detected within ``stall_timeout + progress_interval``;
+  a silent partition is detected within ``stall_timeout + progress_interval``. A stream
+  that has not answered any progress request (etcd's grpc-proxy ignores them) is first
+  probed with a unary range on the same channel; only if that fails too is it stalled
+  (detected within ``stall_timeout + 2 * progress_interval``);
 - stops the cache from being served (``cache.watch_down()``) from the moment any of this
   goes wrong until the stream is healthy again, and counts every restart by reason.
 
@@ -80,6 +83,8 @@ class Watcher:
         self.last_contact = 0.0
         #: ``time.monotonic()`` of the current stream's start or last message (stall watchdog).
         self._stream_contact = 0.0
+        #: Whether the current stream has answered a progress request (grpc-proxy never does).
+        self._progress_answered = False
         #: The error that ended the last stream, if any (for the constructor's message).
         self.last_error: BaseException | None = None
         self.restarts = 0
@@ -188,6 +193,11 @@ class Watcher:
                     if self._stopping.is_set():
                         return
                     if time.monotonic() - self._stream_contact > stall_timeout:
+                        if not self._progress_answered and self._probe(endpoint, interval):
+                            # Quiet, not stalled: this endpoint ignores progress requests
+                            # (etcd's grpc-proxy) but answers on the same channel.
+                            self._stream_contact = time.monotonic()
+                            continue
                         stalled.set()
                         self._cache.watch_down()  # stop serving now, not after the cancel
                         call.cancel()
@@ -199,6 +209,7 @@ class Watcher:
                 yield item
 
         self._stream_contact = time.monotonic()
+        self._progress_answered = False
         call = endpoint.watch.Watch(request_stream(), metadata=self._conn.metadata())
         self._call = call
         if self._stopping.is_set():
@@ -237,6 +248,17 @@ class Watcher:
             call.cancel()
             self._call = None
 
+    def _probe(self, endpoint: Any, timeout: float) -> bool:
+        """Liveness of a stream that never answered a progress request: one count-only
+        range on the stream's own channel. True if answered within ``timeout``."""
+        request = etcdrpc.RangeRequest(key=self._keyspace.range_start,
+                                       range_end=self._keyspace.range_end, count_only=True)
+        try:
+            endpoint.kv.Range(request, timeout=timeout, metadata=self._conn.metadata())
+        except (grpc.RpcError, ValueError):  # ValueError: the channel was closed
+            return False
+        return True
+
     def _handle(self, response: Any) -> str | None:
         """Apply one watch response; return a restart reason if the stream must end."""
         if response.canceled:
@@ -258,6 +280,7 @@ class Watcher:
             return None
         events = response.events
         if not events:  # a progress response: liveness only, never ordering
+            self._progress_answered = True
             self._metrics.watch_revision.set(max(self._revision, response.header.revision))
             return None
         name_of = self._keyspace.name_of
