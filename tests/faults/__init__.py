@@ -11,7 +11,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["restarts", "sample", "split", "wait_until"]
+__all__ = ["follows_by_watch", "misses", "restarts", "sample", "served_from_cache", "split",
+           "wait_until"]
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str,
@@ -42,3 +43,32 @@ def split(endpoint: str) -> tuple[str, int]:
     """``"host:port"`` → ``(host, port)``."""
     host, _, port = endpoint.rpartition(":")
     return host, int(port)
+
+
+def misses(store: Any) -> float:
+    """How many ``get`` calls of ``store`` were cache misses so far."""
+    return sample(store, "cachedstore_cache_requests_total", {"op": "get", "result": "miss"})
+
+
+def served_from_cache(store: Any, name: str, expected: bytes) -> bool:
+    """True if ``store.get(name)`` returns ``expected`` without a cache miss (non-raising)."""
+    before = misses(store)
+    try:
+        value = store.get(name, None)
+    except ConnectionError:
+        return False
+    return bool(value == expected and misses(store) == before)
+
+
+def follows_by_watch(store: Any, put: Callable[[str], Any], name: str, current: bytes,
+                     new: str, timeout: float = 10.0) -> None:
+    """Check that ``store`` follows another client's writes through its watch: once
+    ``name`` (now ``current``) is served from the cache, ``put(new)`` by the other client
+    must show up in ``store`` with no cache miss (pushed by the watch, not re-read)."""
+    wait_until(lambda: served_from_cache(store, name, current), timeout,
+               f"{name!r}={current!r} to be served from the cache")
+    before = misses(store)
+    put(new)
+    wait_until(lambda: store.get(name, None) == new.encode(), timeout,
+               f"the watch to deliver {new!r}")
+    assert misses(store) == before, "the update was re-read from etcd, not pushed by the watch"
