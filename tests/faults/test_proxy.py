@@ -66,12 +66,12 @@ def test_forwards_resets_and_refuses(echo: str) -> None:
             sock.sendall(b"x")
             sock.recv(10)
         sock.close()
-        with pytest.raises((ConnectionResetError, BrokenPipeError)):
-            # The listen backlog completes the handshake; the proxy then resets it.
-            with _connect(proxy) as refused:
-                refused.sendall(b"x")
-                if not refused.recv(10):
-                    raise ConnectionResetError("closed")
+        # The listen backlog completes the handshake; the proxy then resets it.
+        with pytest.raises((ConnectionResetError, BrokenPipeError)), \
+                _connect(proxy) as refused:
+            refused.sendall(b"x")
+            if not refused.recv(10):
+                raise ConnectionResetError("closed")
         proxy.heal()
         with _connect(proxy) as again:
             assert _roundtrip(again, b"back") == b"back"
