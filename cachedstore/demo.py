@@ -742,11 +742,15 @@ def _run_workers(settings: DemoSettings, etcd_info: dict[str, Any], prefix: str,
 
 
 def _fmt_seconds(value: float) -> str:
-    if value < 1e-3:
-        return f"{value * 1e6:.1f} µs"
-    if value < 1.0:
-        return f"{value * 1e3:.2f} ms"
-    return f"{value:.2f} s"
+    """Three significant digits (one decimal at least below 10 µs): 0.8 µs, 657 µs, 3.30 ms."""
+    for scale, unit in ((1e-6, "µs"), (1e-3, "ms"), (1.0, "s")):
+        scaled = value / scale
+        if scaled < 1000 or unit == "s":
+            if unit == "µs" and scaled < 10:
+                return f"{scaled:.1f} {unit}"
+            digits = 0 if scaled >= 100 else 1 if scaled >= 10 else 2
+            return f"{scaled:.{digits}f} {unit}"
+    raise AssertionError("unreachable")
 
 
 def _fmt_ratio(value: float | None) -> str:
