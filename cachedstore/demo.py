@@ -23,6 +23,11 @@ both phases: client side (unary RPCs plus watch streams opened, from each worker
 ``cachedstore_etcd_requests_total``) and as counted by etcd itself
 (``grpc_server_handled_total`` on its ``/metrics``).
 
+etcd's count is read from the first endpoint's ``/metrics`` (plain HTTP only; with TLS it
+is reported as unavailable). All workers talk to the first endpoint unless it fails, so on a
+cluster that is the member that sees the traffic; on a shared cluster other clients' requests
+are counted too.
+
 Without ``endpoints`` a throw-away etcd (:class:`~cachedstore.server.LocalEtcd`) is started
 and removed on exit, Ctrl-C included; with ``endpoints`` the keys live under a random
 ``/cachedstore-demo/<id>/`` prefix that is deleted at the end.

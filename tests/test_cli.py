@@ -375,3 +375,20 @@ def test_python_m_unreachable_one_line() -> None:
                     "--dial-timeout", "0.3")
     assert done.returncode == 3
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+
+
+def test_grpc_log_lines_are_dropped_from_stderr_others_kept(
+        capfdbinary: pytest.CaptureFixture[bytes], monkeypatch: pytest.MonkeyPatch) -> None:
+    from cachedstore.cli import _without_grpc_logs
+
+    monkeypatch.delenv("GRPC_VERBOSITY", raising=False)
+    with _without_grpc_logs():
+        os.write(2, b"I1202 10:36:22.763785     429 ssl_transport_security.cc:2563] noise\n")
+        os.write(2, b"E1202 10:36:22.8 12 chttp2_transport.cc:1] more noise\n")
+        os.write(2, b"a line of ours\n")
+        os.write(2, b"unterminated")
+    assert capfdbinary.readouterr().err == b"a line of ours\nunterminated"
+    monkeypatch.setenv("GRPC_VERBOSITY", "INFO")  # asked for: kept
+    with _without_grpc_logs():
+        os.write(2, b"I1202 10:36:22.763785     429 x.cc:1] wanted\n")
+    assert capfdbinary.readouterr().err == b"I1202 10:36:22.763785     429 x.cc:1] wanted\n"
