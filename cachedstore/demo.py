@@ -460,13 +460,15 @@ def _etcd_counts(metrics_url: str | None) -> dict[str, float] | None:
         return None
 
 
-def _settled_etcd_counts(metrics_url: str | None) -> dict[str, float] | None:
-    """:func:`_etcd_counts` once etcd has handled every RPC it started (or after
-    ``SETTLE_TIMEOUT``, e.g. on a busy shared cluster)."""
+def _settled_etcd_counts(metrics_url: str | None, before: dict[str, float] | None
+                         ) -> dict[str, float] | None:
+    """:func:`_etcd_counts` once etcd has handled every RPC the phase started: once no more
+    RPCs are in flight than when the phase began (``before``), or after ``SETTLE_TIMEOUT``."""
+    baseline = 0.0 if before is None else before["started"] - before["handled"]
     deadline = time.monotonic() + SETTLE_TIMEOUT
     while True:
         counts = _etcd_counts(metrics_url)
-        if counts is None or counts["started"] <= counts["handled"] \
+        if counts is None or counts["started"] - counts["handled"] <= baseline \
                 or time.monotonic() >= deadline:
             return counts
         time.sleep(0.02)
@@ -718,7 +720,7 @@ def _run_workers(settings: DemoSettings, etcd_info: dict[str, Any], prefix: str,
             go[index].set()
             results = receive("done", stall)
             wall = time.perf_counter() - started
-            after = _settled_etcd_counts(etcd_info["metrics_url"])
+            after = _settled_etcd_counts(etcd_info["metrics_url"], before)
             phases[mode] = _phase_summary(results, wall, before, after)
     for proc in processes:  # they exit on their own after the last phase
         proc.join(5.0)
