@@ -286,7 +286,10 @@ class UncachedClient:
         except grpc.RpcError as exc:
             status = exc.code() if hasattr(exc, "code") else None
             code = status.name if status is not None else "UNKNOWN"
-            if status is grpc.StatusCode.DEADLINE_EXCEEDED:
+            details = (exc.details() if hasattr(exc, "details") else "") or ""
+            # etcd may notice the deadline first and answer UNKNOWN "context deadline exceeded"
+            if status is grpc.StatusCode.DEADLINE_EXCEEDED \
+                    or "deadline exceeded" in details.lower():
                 raise StoreTimeoutError(
                     f"timed out after {timeout:g} s waiting for key {key!r}") from None
             raise translate_rpc_error(exc, "watch") from exc
