@@ -667,7 +667,17 @@ class EtcdStore:
                 compare = etcdrpc.Compare(key=key, result=etcdrpc.Compare.EQUAL,
                                           target=etcdrpc.Compare.CREATE, create_revision=0)
             while True:
-                succeeded, response, found = self._cas(key, compare, data, deadline)
+                # A failed compare reads the key (linearizably): fill the cache with it through
+                # the revision gate, or a later get could return an older cached value.
+                token = self._cache.begin_fill([canonical])
+                seen: dict[str, tuple[bytes | None, int]] | None = None
+                try:
+                    succeeded, response, found = self._cas(key, compare, data, deadline)
+                    if not succeeded:
+                        seen = {canonical: (found.value, found.mod_revision)} if found else {}
+                finally:
+                    self._cache.end_fill([canonical], token, seen,
+                                         response.header.revision if seen is not None else 0)
                 if succeeded:
                     self._cache.apply_write(canonical, data, response.header.revision)
                     return data
