@@ -24,6 +24,7 @@ from .errors import (
     StoreTimeoutError,
     TLSError,
 )
+from .exposition import start_metrics_server
 from .store import MISSING, EtcdStore
 
 __version__ = "0.1.0"
@@ -46,4 +47,5 @@ __all__ = [
     "StoreTimeoutError",
     "TLSError",
     "__version__",
+    "start_metrics_server",
 ]
