@@ -1,0 +1,681 @@
+"""A randomized, seeded consistency checker for cachedstore under injected faults.
+
+Several processes (``multiprocessing``, spawn), each with its own :class:`EtcdStore`
+connected to one etcd through its own :class:`~faults.proxy.FaultProxy`, run a random mix
+of ``get``/``mget``/``set``/``delete``/``compare_set``/``add`` on a few shared keys while
+the parent resets, cuts and silently stalls their connections and compacts etcd, all on a
+schedule drawn from the seed. Every operation is recorded with ``time.monotonic()``
+timestamps (system-wide on Linux, so comparable across processes). An independent oracle,
+a raw gRPC watch on the parent's direct connection to etcd, records every change with its
+revision. Then the history is checked:
+
+- **monotonic reads and read-your-writes** per process and key: every written value is
+  unique, so each value read maps to the revision interval in which etcd held it; the
+  process's reads and acknowledged writes, in order, must be placeable at non-decreasing
+  revisions (a write at its own revision; a failed ``compare_set`` is a read; a
+  ``delete`` is a read of "absent");
+- **bounded staleness**: a value is never read later than ``stale_bound`` seconds after
+  etcd replaced it (the silent-partition detection bound plus slack) -- during a cut,
+  reads fail instead of serving the cache;
+- **no lost add**: acknowledged ``add`` results are distinct and
+  ``acked <= final counter <= acked + maybe`` (maybe: an ``EtcdConnectionError`` saying
+  the outcome is unknown);
+- **convergence**: after the last write (quiescence, faults long healed), every process
+  reads etcd's final state within ``converge_within`` seconds and keeps reading it;
+- **availability**: no ``EtcdConnectionError`` outside a fault window of that process
+  (plus a recovery allowance), and no exception of an unexpected type.
+
+Reproducible: the operation mix of each process and the fault schedule derive from the
+seed (timings are real, so interleavings vary). A failure message names the seed.
+
+By hand, from the ``tests`` directory::
+
+    python -m faults.checker --seed 7 --processes 4 --duration 120
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import itertools
+import json
+import multiprocessing
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from etcd3 import etcdrpc
+
+from faults.proxy import FaultProxy
+
+__all__ = ["CheckerConfig", "Report", "check", "run"]
+
+_PUT = 0
+INF = sys.maxsize
+COUNTER = "ctr"
+
+
+@dataclass(frozen=True)
+class CheckerConfig:
+    """One checker run. Times in seconds."""
+
+    seed: int
+    processes: int = 3
+    #: How long the processes operate (faults only in the first ``duration - fault_tail``).
+    duration: float = 12.0
+    fault_tail: float = 3.0
+    #: Reads of every key after the last write, to measure convergence.
+    settle: float = 2.0
+    keys: int = 5
+    stall_timeout: float = 1.0
+    progress_interval: float = 0.25
+    request_timeout: float = 1.0
+    #: A value read later than this after etcd replaced it is a violation.
+    stale_bound: float = 3.5
+    converge_within: float = 1.0
+    #: Connection errors are allowed this long after a fault on the process's path healed.
+    recovery_allowance: float = 5.0
+
+    @property
+    def names(self) -> list[str]:
+        return [f"k{i}" for i in range(self.keys)]
+
+
+@dataclass
+class Report:
+    """Everything a run produced; ``violations`` is empty when the history is correct."""
+
+    config: CheckerConfig
+    prefix: str
+    plan: list[tuple[float, str, int, float]]
+    histories: dict[int, list[list[Any]]]
+    metrics: dict[int, dict[str, float]]
+    events: list[tuple[int, str, str | None, float]]
+    start_at: float
+    violations: list[str] = field(default_factory=list)
+    figures: dict[str, Any] = field(default_factory=dict)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the whole report as JSON (histories, oracle events, plan, results)."""
+        Path(path).write_text(json.dumps(asdict(self)))
+
+    def summary(self) -> str:
+        lines = [f"checker seed={self.config.seed} processes={self.config.processes} "
+                 f"duration={self.config.duration:g}s: {len(self.violations)} violation(s)"]
+        lines += [f"  {k}: {v}" for k, v in self.figures.items()]
+        lines += [f"  VIOLATION {v}" for v in self.violations[:30]]
+        if len(self.violations) > 30:
+            lines.append(f"  ... {len(self.violations) - 30} more")
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------ the worker
+
+
+def _worker(index: int, endpoint: str, prefix: str, config: dict[str, Any], out_path: str,
+            ready: Any, go: Any, times: Any) -> None:
+    """One process: connect, report ``ready``, wait for ``go``, operate on its own store
+    until ``times = (start, end of writes, end of settle reads)``, write its history to
+    ``out_path``."""
+    from cachedstore import CachedStoreError, EtcdConnectionError, EtcdStore
+
+    cfg = CheckerConfig(**config)
+    rng = random.Random(cfg.seed * 1000 + index)
+    names = cfg.names
+    history: list[list[Any]] = []
+    metrics: dict[str, float] = {}
+    try:
+        store = EtcdStore(endpoints=[endpoint], prefix=prefix, connect_timeout=20,
+                          request_timeout=cfg.request_timeout, stall_timeout=cfg.stall_timeout,
+                          progress_interval=cfg.progress_interval)
+    except BaseException as exc:
+        ready.put((index, f"{type(exc).__name__}: {exc}"))
+        return
+    ready.put((index, None))
+    if not go.wait(120):
+        store.close()
+        return
+    start_at, writes_until, settle_until = times[:]
+    seen: dict[str, str | None] = {}
+    seq = 0
+    ops = ["get"] * 8 + ["mget"] * 2 + ["set"] * 3 + ["delete"] + ["cas"] * 3 + ["add"] * 3
+    try:
+        time.sleep(max(0.0, start_at - time.monotonic()))
+        while time.monotonic() < writes_until:
+            op = rng.choice(ops)
+            key = rng.choice(names)
+            started = time.monotonic()
+            arg: Any = None
+            try:
+                if op == "get":
+                    key = rng.choice(names + [COUNTER])
+                    value = store.get(key, None)
+                    result: Any = _text(value)
+                    seen[key] = result
+                elif op == "mget":
+                    keys = rng.sample(names + [COUNTER], 3)
+                    values = store.mget(keys, default=None)
+                    ended = time.monotonic()
+                    for k, v in zip(keys, values, strict=True):
+                        seen[k] = _text(v)
+                        history.append(["get", k, None, "ok", _text(v), started, ended, "run"])
+                    continue
+                elif op == "set":
+                    seq += 1
+                    arg = f"p{index}-{seq}"
+                    store.set(key, arg)
+                    result = None
+                    seen[key] = arg
+                elif op == "delete":
+                    result = store.delete(key)
+                    seen[key] = None
+                elif op == "cas":
+                    seq += 1
+                    arg = [seen.get(key) or "", f"p{index}-{seq}"]
+                    result = store.compare_set(key, arg[0], arg[1]).decode()
+                    if result == arg[1]:
+                        seen[key] = result
+                    elif result == arg[0]:  # torch semantics: the key is absent
+                        seen[key] = None
+                    else:
+                        seen[key] = result
+                else:
+                    key = COUNTER
+                    result = store.add(COUNTER, 1)
+                outcome = "ok"
+            except EtcdConnectionError as exc:
+                outcome = "maybe" if "may or may not" in str(exc) else "conn"
+                result = str(exc)[:200]
+            except CachedStoreError as exc:
+                outcome = f"error:{type(exc).__name__}"
+                result = str(exc)[:200]
+            except Exception as exc:  # recorded, then reported as a violation
+                outcome = f"unexpected:{type(exc).__name__}"
+                result = "".join(traceback.format_exception(exc))[-500:]
+            history.append([op, key, arg, outcome, result, started, time.monotonic(), "run"])
+        while time.monotonic() < settle_until:
+            started = time.monotonic()
+            keys = names + [COUNTER]
+            try:
+                values = store.mget(keys, default=None)
+            except EtcdConnectionError as exc:
+                history.append(["get", "*", None, "conn", str(exc)[:200], started,
+                                time.monotonic(), "settle"])
+                continue
+            ended = time.monotonic()
+            for k, v in zip(keys, values, strict=True):
+                history.append(["get", k, None, "ok", _text(v), started, ended, "settle"])
+            time.sleep(0.005)
+        if store.registry is not None:
+            for family in store.registry.collect():
+                for s in family.samples:
+                    if s.name in ("cachedstore_watch_restarts_total",
+                                  "cachedstore_fills_dropped_total",
+                                  "cachedstore_stale_reads_total"):
+                        label = s.labels.get("reason", "")
+                        metrics[f"{s.name}{{{label}}}" if label else s.name] = s.value
+    finally:
+        store.close()
+        Path(out_path).write_text(json.dumps({"history": history, "metrics": metrics}))
+
+
+def _text(value: bytes | None) -> str | None:
+    return None if value is None else value.decode("utf-8", "surrogateescape")
+
+
+# ------------------------------------------------------------------------ the oracle
+
+
+class _Oracle:
+    """An independent record of every change under the prefix: a raw gRPC watch on a
+    direct connection to etcd (no proxy, no faults). Thread: ``checker-oracle``."""
+
+    def __init__(self, endpoint: str, prefix: bytes, start_revision: int) -> None:
+        from cachedstore.keys import prefix_range_end
+
+        self._channel = grpc.insecure_channel(endpoint)
+        self._create = etcdrpc.WatchRequest(create_request=etcdrpc.WatchCreateRequest(
+            key=prefix, range_end=prefix_range_end(prefix), start_revision=start_revision))
+        self._prefix = prefix
+        self._stop = threading.Event()
+        self._call: Any = None
+        self.events: list[tuple[int, str, str | None, float]] = []
+        self.revision = start_revision - 1
+        self.error: BaseException | str | None = None
+        self._thread = threading.Thread(target=self._run, name="checker-oracle", daemon=True)
+        self._thread.start()
+
+    def _requests(self) -> Iterator[Any]:
+        yield self._create
+        self._stop.wait(3600)
+
+    def _run(self) -> None:
+        try:
+            self._call = etcdrpc.WatchStub(self._channel).Watch(self._requests())
+            for response in self._call:
+                if response.canceled:
+                    self.error = f"oracle watch canceled: {response.cancel_reason} " \
+                                 f"(compact revision {response.compact_revision})"
+                    return
+                now = time.monotonic()
+                plen = len(self._prefix)
+                for event in response.events:
+                    kv = event.kv
+                    self.events.append((kv.mod_revision, kv.key[plen:].decode(),
+                                        kv.value.decode() if event.type == _PUT else None, now))
+                if response.events:
+                    self.revision = response.events[-1].kv.mod_revision
+        except grpc.RpcError as exc:
+            if not self._stop.is_set():
+                self.error = exc
+
+    def wait_for(self, revision: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.revision < revision:
+            if self.error is not None:
+                raise RuntimeError(f"the oracle failed: {self.error}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the oracle did not reach revision {revision}")
+            time.sleep(0.005)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._call is not None:
+            self._call.cancel()
+        self._thread.join(5)
+        self._channel.close()
+
+
+# ------------------------------------------------------------------------ the run
+
+
+def make_plan(config: CheckerConfig) -> list[tuple[float, str, int, float]]:
+    """The fault schedule: ``(offset, action, process, duration)`` from the seed; actions
+    ``reset`` (RST now), ``cut`` (RST and refuse for ``duration``), ``stall`` (hold bytes for
+    ``duration``) and ``compact`` (compact etcd to the newest revision; process -1)."""
+    rng = random.Random(config.seed)
+    while True:  # redraw (deterministically) until every kind of fault is in the plan
+        plan = _draw_plan(config, rng)
+        if {"reset", "cut", "stall", "compact"} <= {action for _, action, _, _ in plan}:
+            return plan
+
+
+def _draw_plan(config: CheckerConfig, rng: random.Random
+               ) -> list[tuple[float, str, int, float]]:
+    plan: list[tuple[float, str, int, float]] = []
+    busy = [0.0] * config.processes
+    end = config.duration - config.fault_tail
+    t = rng.uniform(0.3, 1.0)
+    while t < end:
+        action = rng.choice(["reset", "cut", "cut", "stall", "stall", "compact"])
+        if action == "compact":
+            plan.append((t, "compact", -1, 0.0))
+        else:
+            target = rng.randrange(config.processes)
+            if busy[target] <= t:
+                # Stalls long enough to be detected (stall_timeout + 2 * progress_interval).
+                lo, hi = (0.3, 2.0) if action == "cut" else (1.6, 3.0)
+                length = 0.0 if action == "reset" else min(rng.uniform(lo, hi), end - t)
+                plan.append((t, action, target, length))
+                busy[target] = t + length + 0.2
+                if action == "cut" and rng.random() < 0.7:  # compact past its revision
+                    plan.append((t + length / 2, "compact", -1, 0.0))
+        t += rng.uniform(0.3, 1.0)
+    plan.sort()
+    return plan
+
+
+def run(config: CheckerConfig, endpoint: str, workdir: str | os.PathLike[str]) -> Report:
+    """Run one checker round against the etcd at ``endpoint`` (used by nobody else) and
+    return its :class:`Report`, checked. Blocks about ``duration + settle`` plus start-up."""
+    prefix = f"/checker-{config.seed}-{os.getpid()}-{time.monotonic_ns()}/"
+    channel = grpc.insecure_channel(endpoint)
+    kv = etcdrpc.KVStub(channel)
+    start_revision = kv.Range(etcdrpc.RangeRequest(key=b"\0"), timeout=10).header.revision + 1
+    oracle = _Oracle(endpoint, prefix.encode(), start_revision)
+    proxies = [FaultProxy(endpoint, max_lifetime=config.duration + 600).start()
+               for _ in range(config.processes)]
+    ctx = multiprocessing.get_context("spawn")
+    ready, go, times = ctx.Queue(), ctx.Event(), ctx.Array("d", 3)
+    outs = [str(Path(workdir) / f"history-{i}.json") for i in range(config.processes)]
+    plan = make_plan(config)
+    procs = [ctx.Process(target=_worker, name=f"checker-worker-{i}",
+                         args=(i, proxies[i].endpoint, prefix, asdict(config), outs[i], ready,
+                               go, times))
+             for i in range(config.processes)]
+    try:
+        for p in procs:
+            p.start()
+        for _ in procs:
+            index, error = ready.get(timeout=120)
+            if error:
+                raise RuntimeError(f"process {index} could not connect: {error}")
+        # The schedule starts once every process is connected (CLOCK_MONOTONIC is shared).
+        start_at = time.monotonic() + 0.2
+        writes_until = start_at + config.duration
+        settle_until = writes_until + config.settle
+        times[:] = [start_at, writes_until, settle_until]
+        go.set()
+        _inject(plan, proxies, kv, oracle, start_at)
+        for p in procs:
+            p.join(max(5.0, settle_until - time.monotonic() + 30))
+            if p.is_alive():
+                p.kill()
+                raise RuntimeError(f"{p.name} did not finish")
+        end = kv.Put(etcdrpc.PutRequest(key=(prefix + "__end__").encode(), value=b"1"),
+                     timeout=10)
+        oracle.wait_for(end.header.revision, 10)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for proxy in proxies:
+            proxy.close()
+        oracle.stop()
+        channel.close()
+    histories, metrics = {}, {}
+    for i, path in enumerate(outs):
+        data = json.loads(Path(path).read_text())
+        histories[i], metrics[i] = data["history"], data["metrics"]
+    report = Report(config, prefix, plan, histories, metrics,
+                    [e for e in oracle.events if e[1] != "__end__"], start_at)
+    check(report)
+    return report
+
+
+def _inject(plan: list[tuple[float, str, int, float]], proxies: list[FaultProxy], kv: Any,
+            oracle: _Oracle, start_at: float) -> None:
+    """Carry out the fault schedule (heals included) on the calling thread."""
+    timeline: list[tuple[float, int, str, int]] = []
+    for n, (offset, action, target, length) in enumerate(plan):
+        timeline.append((start_at + offset, n, action, target))
+        if action in ("cut", "stall"):
+            timeline.append((start_at + offset + length, n, "heal", target))
+    timeline.sort()
+    for at, _, action, target in timeline:
+        time.sleep(max(0.0, at - time.monotonic()))
+        if action == "reset":
+            proxies[target].reset()
+        elif action == "cut":
+            proxies[target].reset(refuse=True)
+        elif action == "stall":
+            proxies[target].stall()
+        elif action == "heal":
+            proxies[target].heal()
+        elif action == "compact" and oracle.revision > 0:
+            try:  # never past the oracle's own position, or it would lose events
+                kv.Compact(etcdrpc.CompactionRequest(revision=oracle.revision), timeout=10)
+            except grpc.RpcError as exc:
+                if "compacted" not in (exc.details() or ""):
+                    raise
+    for proxy in proxies:
+        proxy.heal()
+
+
+# ------------------------------------------------------------------------ the checks
+
+
+class _Timeline:
+    """The states of one key in revision order, from the oracle: state j holds from
+    ``starts[j]`` to ``starts[j + 1] - 1``; state 0 is "absent" from revision 0."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = [0]
+        self.values: list[str | None] = [None]
+        self.seen_at: list[float] = [float("-inf")]
+        #: value -> the states holding it (more than one if a retried put applied twice).
+        self.index_of: dict[str, list[int]] = {}
+
+    def add(self, revision: int, value: str | None, seen_at: float) -> None:
+        self.starts.append(revision)
+        self.values.append(value)
+        self.seen_at.append(seen_at)
+        if value is not None:
+            self.index_of.setdefault(value, []).append(len(self.values) - 1)
+
+    def occurrences(self, value: str | None) -> list[int]:
+        return self.absent if value is None else self.index_of.get(value, [])
+
+    def last_revision(self, value: str) -> int | None:
+        """The revision of the last write of ``value`` (None if never written)."""
+        js = self.index_of.get(value)
+        return self.starts[js[-1]] if js else None
+
+    def end(self, j: int) -> int:
+        return self.starts[j + 1] - 1 if j + 1 < len(self.starts) else INF
+
+    def finish(self) -> None:
+        self.absent = [j for j, v in enumerate(self.values) if v is None]
+        self.absent_ends = [self.end(j) for j in self.absent]
+
+    def earliest(self, value: str | None, at_least: int, at_most: int) -> int | None:
+        """The smallest revision in [``at_least``, ``at_most``] at which the key held
+        ``value``, or None."""
+        if value is not None:
+            js = [j for j in self.index_of.get(value, []) if self.end(j) >= at_least]
+            if not js:
+                return None
+            placed = max(at_least, self.starts[js[0]])
+        else:
+            k = bisect.bisect_left(self.absent_ends, at_least)
+            if k == len(self.absent):
+                return None
+            placed = max(at_least, self.starts[self.absent[k]])
+        return placed if placed <= at_most else None
+
+    def replaced_at(self, value: str | None, before: float, acked_at: dict[int, float]
+                    ) -> float | None:
+        """When the state ``value`` -- its latest occurrence seen before ``before`` -- was
+        replaced (no later than the oracle saw it or its writer was acknowledged); None if
+        it is still current or unknown."""
+        occurrences = self.occurrences(value)
+        candidates = [j for j in occurrences if self.seen_at[j] <= before][-1:] or \
+            occurrences[:1]
+        for j in candidates:
+            if j + 1 < len(self.starts):
+                return min(self.seen_at[j + 1], acked_at.get(self.starts[j + 1], INF))
+        return None
+
+
+def check(report: Report) -> list[str]:
+    """Check ``report``'s history, fill ``report.violations`` and ``report.figures``."""
+    cfg = report.config
+    v = report.violations
+    timelines = {key: _Timeline() for key in cfg.names + [COUNTER]}
+    for revision, key, value, seen_at in sorted(report.events):
+        timelines.setdefault(key, _Timeline()).add(revision, value, seen_at)
+    writer_op = {(rec[2] if rec[0] == "set" else rec[2][1]): rec[0]
+                 for h in report.histories.values() for rec in h if rec[0] in ("set", "cas")}
+    applied_twice = 0
+    for key, tl in timelines.items():
+        tl.finish()
+        for value, js in tl.index_of.items():
+            if len(js) > 1:
+                # A put is retried after a transport error (at least once): only set's.
+                if writer_op.get(value) == "set":
+                    applied_twice += 1
+                else:
+                    v.append(f"key {key}: {value!r} written {len(js)} times")
+    final = {k: tl.values[-1] for k, tl in timelines.items()}
+    # The newest revision that can have existed when an operation ended at t: below the
+    # revision of every acknowledged write that *started* after t (real-time order).
+    writes: list[tuple[float, int, float]] = []  # (start, revision, end) of acked writes
+    for history in report.histories.values():
+        for op, key, arg, outcome, result, started, ended, _ in history:
+            if outcome != "ok":
+                continue
+            value = arg if op == "set" else arg[1] if op == "cas" and result == arg[1] \
+                else str(result) if op == "add" else None
+            revision = timelines[key].last_revision(value) if value is not None else None
+            if revision is not None:
+                writes.append((started, revision, ended))
+    writes.sort()
+    write_starts = [w[0] for w in writes]
+    later_min = list(itertools.accumulate((w[1] for w in reversed(writes)), min))[::-1]
+    acked_at = {revision: ended for _, revision, ended in writes}
+
+    def newest_at(t: float) -> int:
+        k = bisect.bisect_right(write_starts, t)
+        return later_min[k] - 1 if k < len(later_min) else INF
+
+    # Fault windows per process, for the availability check.
+    windows: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for offset, _action, target, length in report.plan:
+        if target >= 0:
+            start = report.start_at + offset
+            windows[target].append((start, start + length + cfg.recovery_allowance))
+
+    outcomes: Counter[str] = Counter()
+    max_stale, stale_reads = 0.0, 0
+    acked_adds: list[int] = []
+    maybe_adds = 0
+    quiescence = max((rec[6] for h in report.histories.values() for rec in h
+                      if rec[7] == "run" and rec[0] in ("set", "delete", "cas", "add")),
+                     default=report.start_at)
+    converge: dict[int, float] = {}
+    for proc, history in report.histories.items():
+        position: dict[str, int] = defaultdict(int)
+        for op, key, arg, outcome, result, started, ended, _phase in history:
+            outcomes[f"{op}:{outcome.split(':')[0]}"] += 1
+            where = f"p{proc} {op}({key}) at +{started - report.start_at:.3f}s"
+            if outcome.startswith(("unexpected", "error")):
+                v.append(f"{where}: {outcome}: {result}")
+                continue
+            if outcome in ("conn", "maybe"):
+                if op == "add" and outcome == "maybe":
+                    maybe_adds += 1
+                if not any(started <= b and ended >= a for a, b in windows[proc]):
+                    v.append(f"{where}: connection error outside any fault window: {result}")
+                continue
+            tl = timelines[key]
+            # The state this operation observed or produced, as (value, exact revision?).
+            if op == "get":
+                state, exact = result, False
+            elif op == "set":
+                state, exact = arg, True
+            elif op == "delete":
+                state, exact = None, False
+            elif op == "cas":
+                expected, desired = arg
+                if result == desired:
+                    state, exact = desired, True
+                elif result == expected:
+                    state, exact = None, False  # torch semantics: absent
+                else:
+                    state, exact = result, False
+            else:  # add
+                acked_adds.append(int(result))
+                state, exact = str(result), True
+            floor = position[key]
+            if exact:
+                revision = tl.last_revision(state)  # type: ignore[arg-type]
+                if revision is None:
+                    v.append(f"{where}: acknowledged write {state!r} is not in etcd's history")
+                    continue
+                if revision < floor:
+                    v.append(f"{where}: write {state!r} at revision {revision} after "
+                             f"having observed revision {floor} (read-your-writes/monotonic)")
+                    continue
+                position[key] = revision
+            else:
+                newest = newest_at(ended)
+                placed = tl.earliest(state, floor, newest)
+                if placed is None:
+                    v.append(f"{where}: read {state!r}, which etcd did not hold between "
+                             f"revision {floor} (already observed) and {newest} (the newest "
+                             f"when the read returned): monotonic reads / read-your-writes")
+                    continue
+                position[key] = placed
+                replaced = tl.replaced_at(state, ended, acked_at)
+                if replaced is not None and started > replaced:
+                    stale_reads += 1
+                    max_stale = max(max_stale, started - replaced)
+                    if started - replaced > cfg.stale_bound:
+                        v.append(f"{where}: read {state!r} {started - replaced:.3f} s after "
+                                 f"etcd replaced it (bound {cfg.stale_bound:g} s)")
+        # Convergence: from some point on, every settle read returns the final state.
+        settle = [r for r in history if r[7] == "settle"]
+        if not settle:
+            v.append(f"p{proc}: no reads after quiescence")
+            continue
+        converged_at = None
+        for _op, key, _, outcome, result, started, _, _ in settle:
+            ok = outcome == "ok" and result == final.get(key)
+            if not ok:
+                converged_at = None
+            elif converged_at is None:
+                converged_at = started
+        if converged_at is None:
+            v.append(f"p{proc}: never converged to etcd's final state")
+        else:
+            converge[proc] = max(0.0, converged_at - quiescence)
+            if converged_at - quiescence > cfg.converge_within:
+                v.append(f"p{proc}: converged {converged_at - quiescence:.3f} s after "
+                         f"quiescence (bound {cfg.converge_within:g} s)")
+
+    # No lost add.
+    if len(set(acked_adds)) != len(acked_adds):
+        dup = [n for n, c in Counter(acked_adds).items() if c > 1]
+        v.append(f"add returned the same counter value twice: {dup[:10]}")
+    final_counter = int(final.get(COUNTER) or 0)
+    if not len(acked_adds) <= final_counter <= len(acked_adds) + maybe_adds:
+        v.append(f"lost add: counter={final_counter}, acknowledged adds={len(acked_adds)}, "
+                 f"maybe={maybe_adds}")
+    restarts: Counter[str] = Counter()
+    for m in report.metrics.values():
+        for name, value in m.items():
+            restarts[name.replace("cachedstore_", "")] += int(value)
+    faults = Counter(action for _, action, _, _ in report.plan)
+    report.figures.update({
+        "operations": sum(len(h) for h in report.histories.values()),
+        "outcomes": dict(sorted(outcomes.items())),
+        "faults": dict(faults),
+        "store counters": dict(sorted(restarts.items())),
+        "adds": f"acked={len(acked_adds)} maybe={maybe_adds} final={final_counter}",
+        "sets applied twice (retried put)": applied_twice,
+        "reads older than etcd (count, max s)": (stale_reads, round(max_stale, 4)),
+        "convergence after quiescence (s)": {p: round(t, 4) for p, t in converge.items()},
+        "etcd revisions": len(report.events),
+    })
+    return v
+
+
+# ------------------------------------------------------------------------ CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m faults.checker``: start a private etcd, run, print the report."""
+    from cachedstore.server import LocalEtcd
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seed", type=int, default=random.SystemRandom().randrange(10**6))
+    parser.add_argument("--processes", type=int, default=4)
+    parser.add_argument("--duration", type=float, default=120.0)
+    parser.add_argument("--keys", type=int, default=5)
+    parser.add_argument("--save", metavar="FILE", help="write the whole report as JSON")
+    args = parser.parse_args(argv)
+    config = CheckerConfig(seed=args.seed, processes=args.processes, duration=args.duration,
+                           keys=args.keys)
+    started = time.monotonic()
+    with LocalEtcd() as server, tempfile.TemporaryDirectory() as workdir:
+        report = run(config, server.endpoint, workdir)
+    print(report.summary())
+    print(f"  wall time: {time.monotonic() - started:.1f} s")
+    if args.save:
+        report.save(args.save)
+    return 1 if report.violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

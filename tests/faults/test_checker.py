@@ -1,0 +1,103 @@
+"""The randomized consistency checker: a short seeded run in CI, a long one by hand.
+
+Reproduce a failure with the seed it prints: ``CHECKER_SEED=<seed> pytest
+tests/faults/test_checker.py``, or ``cd tests && python -m faults.checker --seed <seed>``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from cachedstore.server import LocalEtcd
+
+from .checker import COUNTER, CheckerConfig, Report, check, make_plan, run
+
+
+def _seed() -> int:
+    return int(os.environ.get("CHECKER_SEED") or random.SystemRandom().randrange(10**6))
+
+
+def _run(etcd_factory: Callable[..., LocalEtcd], tmp_path: Path, config: CheckerConfig
+         ) -> Report:
+    server = etcd_factory()
+    report = run(config, server.endpoint, tmp_path)
+    print("\n" + report.summary())
+    assert not report.violations, (
+        f"{report.summary()}\nreproduce: CHECKER_SEED={config.seed} pytest "
+        f"tests/faults/test_checker.py")
+    return report
+
+
+def _rechecked(report: Report, mutate: Callable[[Report], None]) -> list[str]:
+    doctored = copy.deepcopy(report)
+    doctored.violations, doctored.figures = [], {}
+    mutate(doctored)
+    return check(doctored)
+
+
+@pytest.mark.timeout(90)
+def test_short_run_under_faults(etcd_factory: Callable[..., LocalEtcd], tmp_path: Path
+                                ) -> None:
+    """3 processes, 12 s of operations under resets, cuts, stalls and compactions."""
+    config = CheckerConfig(seed=_seed(), processes=3, duration=12.0)
+    report = _run(etcd_factory, tmp_path, config)
+    outcomes = report.figures["outcomes"]
+    for op in ("get", "set", "delete", "cas", "add"):
+        assert outcomes.get(f"{op}:ok", 0) > 0, f"no successful {op}"
+    assert {"reset", "cut", "stall", "compact"} <= set(report.figures["faults"])
+    assert sum(outcomes.get(k, 0) for k in outcomes if k.endswith((":conn", ":maybe"))) > 0, \
+        "the faults never reached the stores"
+
+    # The checker is not vacuous: doctored copies of this very history are rejected.
+    def go_back_in_time(r: Report) -> None:
+        for history in r.histories.values():
+            reads: dict[str, int] = {}
+            for i, rec in enumerate(history):
+                if rec[0] == "get" and rec[3] == "ok" and rec[4] is not None:
+                    j = reads.get(rec[1])
+                    if j is not None and history[j][4] != rec[4]:
+                        history[j][4], rec[4] = rec[4], history[j][4]  # newer first
+                        return
+                    reads[rec[1]] = i
+        raise AssertionError("no pair of distinct reads to swap")
+
+    def duplicate_add(r: Report) -> None:
+        for history in r.histories.values():
+            for rec in history:
+                if rec[0] == "add" and rec[3] == "ok":
+                    history.append(list(rec))
+                    return
+        raise AssertionError("no add")
+
+    def stale_after_quiescence(r: Report) -> None:
+        for history in r.histories.values():
+            for rec in reversed(history):
+                if rec[7] == "settle" and rec[1] == COUNTER:
+                    rec[4] = "1"
+                    return
+        raise AssertionError("no settle read")
+
+    assert any("monotonic" in v for v in _rechecked(report, go_back_in_time))
+    assert any("same counter value twice" in v for v in _rechecked(report, duplicate_add))
+    assert any("converge" in v for v in _rechecked(report, stale_after_quiescence))
+
+
+def test_plan_is_reproducible() -> None:
+    config = CheckerConfig(seed=1234)
+    assert make_plan(config) == make_plan(CheckerConfig(seed=1234))
+    assert make_plan(config) != make_plan(CheckerConfig(seed=1235))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_long_run_under_faults(etcd_factory: Callable[..., LocalEtcd], tmp_path: Path
+                               ) -> None:
+    """By hand: ``pytest -m slow tests/faults/test_checker.py -s`` (4 processes, 120 s)."""
+    seconds = float(os.environ.get("CHECKER_DURATION", "120"))
+    _run(etcd_factory, tmp_path, CheckerConfig(seed=_seed(), processes=4, duration=seconds))
