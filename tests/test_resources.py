@@ -111,7 +111,7 @@ def test_million_keys_stay_bounded(etcd_factory: Callable[..., LocalEtcd]) -> No
 
 def _channels() -> list[grpc.Channel]:
     gc.collect()
-    return [o for o in gc.get_objects() if isinstance(o, grpc._channel.Channel)]
+    return [o for o in gc.get_objects() if type(o) is grpc._channel.Channel]
 
 
 def _settle(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
