@@ -18,6 +18,7 @@ timeout, so a lost peer cannot hang a worker for more than ``TIMEOUT`` seconds.
 from __future__ import annotations
 
 import logging
+import random
 import time
 import traceback
 from typing import Any
@@ -65,6 +66,62 @@ class CachedStoreWorker:
 
     def close(self) -> None:
         self.store.close()
+
+
+class CachedStoreArrivalWorker(CachedStoreWorker):
+    """cachedstore with a barrier made of one arrival key per worker and ``wait`` on all of
+    them (public API only): the barrier becomes another O(W) gather."""
+
+    def run(self, r: int, phase: int) -> None:
+        if phase == 0:
+            return super().run(r, phase)
+        s = self.store
+        s.set(f"r{r}/arrived/{self.rank}", b"1")
+        s.wait([f"r{r}/arrived/{i}" for i in range(self.world)], timeout=TIMEOUT)
+
+
+class CachedStoreBackoffWorker(CachedStoreWorker):
+    """PROTOTYPE, benchmark only: ``add`` as in ``EtcdStore.add`` (compare-and-swap on the
+    key's mod_revision, first guess from the cache) plus a jittered back-off after each
+    failed attempt, retrying with the freshest value the watch has delivered meanwhile, to
+    measure what that change to the core would save."""
+
+    def _add(self, name: str, amount: int = 1) -> int:
+        from etcd3 import etcdrpc
+
+        s = self.store
+        canonical, key = s._target(name)
+        guess = s._cache.peek(canonical)
+        current, mod_revision = (guess[0], guess[2]) if guess else (None, 0)
+        deadline = s._conn.deadline()
+        for attempt in range(1_000):
+            if current is None:
+                new = amount
+                compare = etcdrpc.Compare(key=key, result=etcdrpc.Compare.EQUAL,
+                                          target=etcdrpc.Compare.CREATE, create_revision=0)
+            else:
+                new = int(current) + amount
+                compare = etcdrpc.Compare(key=key, result=etcdrpc.Compare.EQUAL,
+                                          target=etcdrpc.Compare.MOD, mod_revision=mod_revision)
+            data = str(new).encode()
+            ok, response, found = s._cas(key, compare, data, deadline)
+            if ok:
+                s._cache.apply_write(canonical, data, response.header.revision)
+                return new
+            current, mod_revision = (found.value, found.mod_revision) if found else (None, 0)
+            time.sleep(random.uniform(0, min(0.0005 * 2 ** attempt, 0.02)))
+            newer = s._cache.peek(canonical)  # the watch may know a fresher value by now
+            if newer is not None and newer[0] is not None and newer[2] > mod_revision:
+                current, mod_revision = newer[0], newer[2]
+        raise RuntimeError("add: too many attempts")
+
+    def run(self, r: int, phase: int) -> None:
+        if phase == 0:
+            return super().run(r, phase)
+        s = self.store
+        if self._add(f"r{r}/count") == self.world:
+            s.set(f"r{r}/done", b"1")
+        s.wait([f"r{r}/done"], timeout=TIMEOUT)
 
 
 class Etcd3Worker:
@@ -175,6 +232,8 @@ class TCPStoreWorker:
 
 WORKERS: dict[str, Any] = {
     "cachedstore": CachedStoreWorker,
+    "cachedstore, barrier by arrival keys": CachedStoreArrivalWorker,
+    "cachedstore, add with back-off (prototype)": CachedStoreBackoffWorker,
     "etcd3 (uncached)": Etcd3Worker,
     "torch v2 EtcdStore": TorchV2Worker,
     "TCPStore": TCPStoreWorker,

@@ -25,6 +25,7 @@ _RESULTS: dict[str, Any] = {}
 
 @pytest.fixture(scope="session")
 def env() -> Iterator[harness.Env]:
+    _RESULTS["loadavg_at_start"] = [round(x, 2) for x in os.getloadavg()]
     e = harness.Env()
     _RESULTS.setdefault("notes", [])
     if not e.torch_v2:
@@ -33,6 +34,13 @@ def env() -> Iterator[harness.Env]:
         yield e
     finally:
         e.close()
+
+
+@pytest.fixture(autouse=True)
+def _close_test_clients(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "env" in request.fixturenames:
+        request.getfixturevalue("env").end_test()
 
 
 @pytest.fixture(scope="session")

@@ -212,7 +212,7 @@ class Env:
         self.torch_v2, self.torch_v2_note = torch_v2_available()
         if not self.torch_v2:
             note(self.torch_v2_note)
-        self._closers: list[Callable[[], None]] = []
+        self._closers: list[Callable[[], None]] = []  # closed after each test
         self._tcp_local: dict[bool, Any] = {}
         self._tcp_remote: TCPStoreServer | None = None
         self._ids = iter(range(1, 1 << 30))
@@ -221,12 +221,20 @@ class Env:
         """A fresh key prefix for one benchmark, e.g. ``/bench/mget-3/``."""
         return f"/bench/{what}-{next(self._ids)}/"
 
+    def end_test(self) -> None:
+        """Close the stores and clients the finished test made (their watches would add
+        background traffic to every later measurement)."""
+        closers, self._closers = self._closers, []
+        for close in reversed(closers):
+            with contextlib.suppress(Exception):
+                close()
+
     def counters(self) -> dict[str, float]:
         return etcd_counters(self.metrics_url)
 
     # -- contenders -----------------------------------------------------------------------
     def store(self, **kwargs: Any) -> Any:
-        """A cachedstore ``EtcdStore`` on the benchmark etcd, closed with the session."""
+        """A cachedstore ``EtcdStore`` on the benchmark etcd, closed after the test."""
         from cachedstore import EtcdStore
 
         s = EtcdStore(self.host, self.port, **kwargs)
@@ -264,9 +272,7 @@ class Env:
         return make_torch_v2_store(self.host, self.port, prefix, timeout)
 
     def close(self) -> None:
-        for close in reversed(self._closers):
-            with contextlib.suppress(Exception):
-                close()
+        self.end_test()
         if self._tcp_remote is not None:
             self._tcp_remote.close()
         self._tcp_local.clear()
@@ -462,5 +468,6 @@ def machine() -> dict[str, Any]:
         "etcd": etcd_version,
         "versions": versions,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
         "scale": asdict(scale()),
     }

@@ -119,13 +119,22 @@ def targets(results: dict[str, Any]) -> list[list[str]]:
             rows.append(["all-gather etcd requests per round grow O(W) (exponent ≈ 1)",
                          f"W^{g:.2f}", ok(g <= 1.2)])
         if t is not None:
-            rows.append(["all-gather + barrier round, O(W)", f"W^{t:.2f}", ok(t <= 1.2)])
+            rows.append(["all-gather + barrier (`add`) round, O(W)", f"W^{t:.2f}", ok(t <= 1.2)])
+        ta = sc["fits"].get("cachedstore, barrier by arrival keys", {}).get("etcd_requests")
+        if ta is not None:
+            rows.append(["all-gather + barrier (arrival keys + `wait`) round, O(W)",
+                         f"W^{ta:.2f}", ok(ta <= 1.2)])
         r16 = sc.get("ratios", {}).get("torch v2 EtcdStore / cachedstore at W=16")
         if r16:
             rows.append(["≥ 10× fewer etcd requests than torch v2 EtcdStore at W=16: all-gather",
                          fmt_x(r16.get("gather_requests")), ok(r16.get("gather_requests", 0) >= 10)])
-            rows.append(["… the same for all-gather + barrier round",
+            rows.append(["… the same for the all-gather + barrier (`add`) round",
                          fmt_x(r16.get("etcd_requests")), ok(r16.get("etcd_requests", 0) >= 10)])
+        ra = sc.get("ratios", {}).get(
+            "torch v2 EtcdStore / cachedstore, barrier by arrival keys at W=16")
+        if ra:
+            rows.append(["… the same for the round with the arrival-key barrier",
+                         fmt_x(ra.get("etcd_requests")), ok(ra.get("etcd_requests", 0) >= 10)])
     return rows
 
 
@@ -211,7 +220,7 @@ def plots(results: dict[str, Any], plots_dir: str) -> list[str]:
     for v in ag.values():
         by.setdefault(v["contender"], {})[v["world"]] = v
     if by:
-        fig, ax = plt.subplots(figsize=(8, 5.5))
+        fig, ax = plt.subplots(figsize=(11, 5.5))
         ws_all: list[int] = []
         for name, pts in sorted(by.items()):
             ws = sorted(w for w in pts if pts[w]["etcd_requests"])
@@ -220,8 +229,9 @@ def plots(results: dict[str, Any], plots_dir: str) -> list[str]:
             ws_all = sorted(set(ws_all) | set(ws))
             line, = ax.plot(ws, [pts[w]["etcd_requests"] for w in ws], marker="o",
                             label=f"{name}: gather + barrier")
-            ax.plot(ws, [pts[w]["gather_requests"] for w in ws], marker="x", linestyle="--",
-                    color=line.get_color(), label=f"{name}: gather only")
+            if not name.startswith("cachedstore,"):  # the variants share the plain gather
+                ax.plot(ws, [pts[w]["gather_requests"] for w in ws], marker="x",
+                        linestyle="--", color=line.get_color(), label=f"{name}: gather only")
         if ws_all:
             base = by["cachedstore"][ws_all[0]]["gather_requests"] if "cachedstore" in by else 1
             ax.plot(ws_all, [base * w / ws_all[0] for w in ws_all], color="grey", linestyle=":",
@@ -234,13 +244,13 @@ def plots(results: dict[str, Any], plots_dir: str) -> list[str]:
         ax.set_ylabel("requests etcd served per round (its /metrics)")
         ax.set_title("All-gather + barrier: etcd requests per round")
         ax.grid(which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         fig.tight_layout()
         fig.savefig(os.path.join(plots_dir, "allgather_requests.png"), dpi=110)
         plt.close(fig)
         made.append("allgather_requests.png")
 
-        fig, ax = plt.subplots(figsize=(8, 5))
+        fig, ax = plt.subplots(figsize=(11, 5))
         for name, pts in sorted(by.items()):
             ws = sorted(pts)
             ax.plot(ws, [pts[w]["wall_s"] * 1e3 for w in ws], marker="o", label=name)
@@ -250,7 +260,7 @@ def plots(results: dict[str, Any], plots_dir: str) -> list[str]:
         ax.set_ylabel("wall time per round (ms)")
         ax.set_title("All-gather + barrier: wall time per round")
         ax.grid(which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         fig.tight_layout()
         fig.savefig(os.path.join(plots_dir, "allgather_wall.png"), dpi=110)
         plt.close(fig)
@@ -274,6 +284,8 @@ def markdown(results: dict[str, Any], plot_files: list[str], elapsed: float | No
                ["date", str(m.get("date"))],
                ["CPU", f"{m.get('cpu')}, {m.get('cores')} cores, {m.get('memory_gib')} GiB"],
                ["OS", str(m.get("os"))],
+               ["load average (1, 5, 15 min), start → end",
+                f"{results.get('loadavg_at_start')} → {m.get('loadavg_at_end')}"],
                ["Python", str(m.get("python"))],
                ["etcd", f"{m.get('etcd')} (single member, loopback, started with --enable-v2)"],
                ["torch", str(v.get("torch"))],
@@ -350,6 +362,11 @@ def markdown(results: dict[str, Any], plot_files: list[str], elapsed: float | No
                 f"p50 {fmt_s(b['wake_up']['p50_s'])} / p99 {fmt_s(b['wake_up']['p99_s'])}; "
                 f"after the writer's put returned: p50 {fmt_s(b['after_put_ack']['p50_s'])} / "
                 f"p99 {fmt_s(b['after_put_ack']['p99_s'])}.", ""]
+    wc = results.get("workloads", {}).get("watch_cpu_per_event")
+    if wc:
+        out += [f"Watch cost: another process put {wc['events']:,} keys one by one (one watch "
+                f"message each); this process spent **{fmt_s(wc['cpu_per_event_s'])} of CPU "
+                f"per event** applying them ({wc['events_per_s']:,.0f} events/s absorbed).", ""]
     if "coherence.png" in plot_files:
         out += ["![coherence](plots/coherence.png)", ""]
 
@@ -358,9 +375,10 @@ def markdown(results: dict[str, Any], plot_files: list[str], elapsed: float | No
     rows = []
     for name, x in sorted(fo.items()):
         rows.append([name, f"{x['threads']:,}", fmt_s(x["all_woken_s"]),
-                     fmt_s(x["after_last_put_s"]), fmt_s(x["publish_s"]),
-                     str(x["watch_streams_opened"]), str(x["etcd_requests_blocking"]),
-                     str(x["etcd_requests_waking"])])
+                     fmt_s(x["after_last_put_s"]), fmt_s(x["publish_s"])]
+                    + ["–" if x[k] is None else f"{x[k]:,}" for k in (
+                        "watch_streams_opened", "etcd_requests_blocking",
+                        "etcd_requests_waking")])
     out += ["## 4. Fan-out: threads blocked on distinct keys, one writer", "",
             "*all woken*: writer's first put → last reader running; *after last put*: from "
             "the writer's last acknowledged put. etcd's counters: gRPC watch streams opened "
@@ -437,30 +455,67 @@ These notes explain mechanisms; the numbers they refer to are in the tables abov
 
 **The barrier (`add` under contention).** The gather step is O(W) for cachedstore: exactly
 one put per worker plus at most one batched read of the keys not yet delivered by its watch.
-The barrier is not: every worker `add`s to one counter, which is a compare-and-swap Txn on
-the key's `mod_revision` (`cachedstore/store.py`, `EtcdStore.add`). When W workers arrive
-together only one CAS per "generation" wins and the others retry at once with the value the
+The `add` barrier is not: every worker `add`s to one counter, which is a compare-and-swap
+Txn on the key's `mod_revision` (`cachedstore/store.py`, `EtcdStore.add`). When W workers
+arrive together only one CAS per "generation" wins and the others retry with the value the
 failed Txn returned, so the Txns per round grow towards W²/2 (see the Txn counts in the
-barrier column). torch's v2 store has the same problem and hides part of it with a random
-0–100 ms sleep after every failed CAS. Fix options (core, not done here): a short jittered
-back-off after a failed CAS in `add` (fewer requests, more latency); or, for barriers, one
-key per worker plus `wait` on all of them, which is the O(W) gather again.
+barrier column and its exponent). torch's v2 store has the same problem (it sleeps a random
+0–100 ms after every failed CAS). The row "cachedstore, add with back-off (prototype)" is a
+benchmark-only copy of `add` that sleeps a jittered 0.5 ms × 2^attempt (≤ 20 ms) after a
+failed CAS and retries with the freshest value the watch delivered meanwhile: it changes
+the count little, so back-off is not the fix. What is: a barrier that is another gather —
+each worker sets its own arrival key and `wait`s for all W of them (row "cachedstore,
+barrier by arrival keys", public API only), which is O(W) like the gather. A `barrier()`
+helper built that way (or documentation of the pattern) would let users avoid the counter.
 
 **≥ 10× fewer requests than torch v2 at W = 16.** torch's v2 store reads the whole
 directory on every `get`, so its gather costs about W² reads; cachedstore's costs 2W
-(W puts + W batched reads). The ratio therefore grows linearly with W and crosses 10×
-between W = 16 and W = 32. The floor of cachedstore's 2W is the read-through of keys not yet
-seen: a store cannot tell "absent" from "not cached yet" for a key its watch has not
-mentioned, so each worker reads the missing keys once (one Txn). A store that loads its
-whole prefix when its watch starts (list + watch, like Kubernetes' watch cache) could answer
-those misses from the watch and bring the gather down to W puts.
+(W puts + one batched read per worker). The ratio therefore grows linearly with W and
+crosses 10× between W = 16 and W = 32. The floor of cachedstore's 2W is the read-through
+of keys not yet seen: a store cannot tell "absent" from "not cached yet" for a key its
+watch has not mentioned, so each worker reads the missing keys once (one Txn, or one Range
+when a single key is missing), and each `wait(["done"])` reads "done" once. A precise core
+change that removes those reads in exactly the rendezvous case: the store already reads
+`count_only` over its prefix when it starts its watch (`watcher.current_revision`); if
+that count is 0 and, since then, the watch has stayed healthy, nothing has been evicted
+and no resync happened, the cache holds every key under the prefix, so a miss is "absent
+as of the applied revision" without asking etcd. The gather would then cost W requests
+(the puts), 17× below torch v2 at W = 16, and the barrier would lose its W "done" reads.
+(The general form is Kubernetes' list-then-watch cache.)
+
+**All-gather wall time.** Every store watches the whole prefix, so with W workers each
+write is delivered to W processes: about W × (W keys + W counter updates) watch messages
+per round, all on 2 cores. The "watch cost" line in section 3 is the CPU one process spends
+per watch message; a py-spy profile of that process (`py-spy record --idle --threads`)
+puts the time in grpcio's channel-spin and request-iterator threads and the thread
+hand-offs per message, with the store's own `Watcher._handle` and
+`CoherentCache.apply_events` at a few per cent of the samples. So the round's wall time on
+2 cores grows like W² × that per-message cost, even though etcd's request count is O(W).
+Spread over W hosts (the real deployment) this is W messages per host.
 
 **Coherence lag of a tight polling reader.** A thread that spins on `get` in pure Python
-holds the GIL; the store's watch thread then waits up to `sys.getswitchinterval()` (5 ms)
-for it at each of the several hand-offs between gRPC's threads and the watch loop, so a
-spinning reader sees the put several milliseconds later than a blocked reader does. A
-blocked `get(timeout=…)` or `wait()` releases the GIL and is woken by the watch directly:
-use those. This is a CPython property, not a cache bug.
+holds the GIL; the store's watch thread then waits up to `sys.getswitchinterval()` (5 ms by
+default) for it at each of the hand-offs between gRPC's threads and the watch loop, so a
+spinning reader sees the put several milliseconds later than a blocked reader does. The
+same run with `sys.setswitchinterval(0.0005)` (row "switch interval 0.5 ms") shows the lag
+shrink by about the ratio of the intervals, which pins the cause on the GIL, not on etcd
+or the cache. A blocked `get(timeout=…)` or `wait()` releases the GIL and is woken by the
+watch directly (p99 well under 10 ms above): use those, or sleep between polls.
+
+**What a cache hit costs, and where a hot-path saving is.** The "Python floor" rows were
+measured in the same run: a cachetools `LRUCache` lookup under a `threading.Lock` and one
+prometheus-client `Counter.inc()` together make up most of a cached `get`
+(`EtcdStore.get` → `CoherentCache.lookup` → `self._hit_get()`). The counter increment is
+the larger part (prometheus-client takes its own lock per `inc`); compare the
+"metrics=False" row. A saving that keeps exact counts: count hits in a plain integer
+inside `CoherentCache.lookup`, which already holds the cache lock, and export it through a
+custom collector at scrape time — this would remove one lock round trip per hit (not done
+here: it changes the core hot path and prometheus-client's multiprocess mode needs the
+regular counter). With 8 threads the process-wide cost per hit roughly doubles versus one
+thread, for metrics on and off alike, while `dict.get` does not: threads preempted while
+holding the cache lock (or the counter's) make the others queue for it. A lock-free read
+of the value (a GIL-atomic dict lookup, with LRU recency updated approximately) would
+remove that.
 
 **TCPStore client construction** on a machine without DNS spends ~150 ms per client in a
 reverse lookup of its peer (`socket.cpp: The hostname of the client socket cannot be

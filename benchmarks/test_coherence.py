@@ -8,7 +8,8 @@ store); ``t0`` is taken just before its ``put``.
   ``apply_events`` is timed too (benchmark-only wrapper on the cache instance), which
   splits the lag into etcd → watch delivery and the wake-up of the blocked thread.
 - "polling get": a thread reads ``get(key, default=None)`` in a tight loop (the key's
-  absence is cached, so each read is a cache lookup) until the value shows.
+  absence is cached, so each read is a cache lookup) until the value shows; once with
+  CPython's default GIL switch interval (5 ms) and once with 0.5 ms.
 
 The same blocked-get wake-up is measured for TCPStore (server in another process) and
 torch's v2 EtcdStore, where the reader is given 2 ms to block before the write (and, for
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import queue
 import statistics
+import sys
 import threading
 import time
 from typing import Any
@@ -101,8 +103,11 @@ def test_coherence_blocked_get(benchmark: Any, env: harness.Env, record: Any,
            p50_s=harness.percentile(lag, 50), p99_s=harness.percentile(lag, 99))
 
 
+@pytest.mark.parametrize("switch_interval", [None, 0.0005], ids=["default", "0.5ms"])
 def test_coherence_polling_get(benchmark: Any, env: harness.Env, record: Any,
-                               scale: harness.Scale) -> None:
+                               scale: harness.Scale, switch_interval: float | None) -> None:
+    """A spinning reader holds the GIL; with ``sys.setswitchinterval(0.0005)`` (instead of
+    5 ms) the watch thread gets it back sooner, which shows where the lag comes from."""
     store = env.store(prefix=env.unique("lagpoll"))
     writer = env.etcd3()
     lag = []
@@ -132,8 +137,16 @@ def test_coherence_polling_get(benchmark: Any, env: harness.Env, record: Any,
             assert out, "the polling reader never saw the put"
             lag.append(out[0] - t0)
 
-    harness.bench_rounds(benchmark, trials, rounds=1)
-    record("coherence/cachedstore polling get", contender="cachedstore polling get",
+    old = sys.getswitchinterval()
+    if switch_interval is not None:
+        sys.setswitchinterval(switch_interval)
+    try:
+        harness.bench_rounds(benchmark, trials, rounds=1)
+    finally:
+        sys.setswitchinterval(old)
+    name = "cachedstore polling get" + (
+        "" if switch_interval is None else f", switch interval {switch_interval * 1e3:g} ms")
+    record(f"coherence/{name}", contender=name, switch_interval_s=switch_interval or old,
            lag=_summary(lag), p50_s=harness.percentile(lag, 50),
            p99_s=harness.percentile(lag, 99))
 
@@ -185,3 +198,42 @@ def test_wake_up_others(benchmark: Any, env: harness.Env, record: Any, scale: ha
     harness.bench_rounds(benchmark, trials, rounds=1)
     record(f"coherence/{contender}", contender=contender, lag=_summary(lag),
            p50_s=harness.percentile(lag, 50), p99_s=harness.percentile(lag, 99))
+
+
+_WRITER = """
+import sys, etcd3
+c = etcd3.client(sys.argv[1], int(sys.argv[2]))
+for i in range(int(sys.argv[4])):
+    c.put(f"{sys.argv[3]}k{i}", b"w" * 64)
+"""
+
+
+def test_watch_cpu_per_event(benchmark: Any, env: harness.Env, record: Any,
+                             scale: harness.Scale) -> None:
+    """CPU this process spends per watch event: another process puts N keys one by one (N
+    revisions, N watch responses) while one store here applies them. Explains the
+    all-gather wall times: every store sees every write under its prefix."""
+    import resource
+    import subprocess
+
+    n = max(50, scale.coherence_trials * 2)
+    prefix = env.unique("watchcpu")
+    store = env.store(prefix=prefix, cache_size=2 * n)
+    out: dict[str, float] = {}
+
+    def run() -> None:
+        r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        writer = subprocess.Popen([sys.executable, "-c", _WRITER, env.host, str(env.port),
+                                   prefix, str(n)])
+        deadline = time.monotonic() + 120
+        while len(store._cache) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        writer.wait(60)
+        out["cpu"] = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+        out["wall"] = t1 - t0
+
+    harness.bench_rounds(benchmark, run, rounds=1)
+    assert len(store._cache) >= n
+    record("watch_cpu_per_event", events=n, cpu_s=out["cpu"], wall_s=out["wall"],
+           cpu_per_event_s=out["cpu"] / n, events_per_s=n / out["wall"])

@@ -19,6 +19,8 @@ VALUE = b"v" * 64
 
 CONTENDERS = [
     "dict.get (Python floor)",
+    "LRUCache lookup under a lock (Python floor)",
+    "prometheus Counter.inc() (Python floor)",
     "cachedstore cached",
     "cachedstore cached, metrics=False",
     "cachedstore cached, latency_sample_every=1",
@@ -43,6 +45,31 @@ def make_getters(env: harness.Env, contender: str, n: int) -> list[Callable[[], 
     if contender.startswith("dict.get"):
         d = {"hot": VALUE}
         return [functools.partial(d.get, "hot")] * n
+    if contender.startswith("LRUCache"):
+        import threading
+
+        from cachetools import LRUCache
+
+        lru: LRUCache[str, bytes] = LRUCache(1024)
+        lru["hot"] = VALUE
+        lock = threading.Lock()
+
+        def locked_lookup() -> bytes:
+            with lock:
+                return lru["hot"]
+
+        return [locked_lookup] * n
+    if contender.startswith("prometheus"):
+        from prometheus_client import CollectorRegistry, Counter
+
+        inc = Counter("floor_total", "floor", ["op"], registry=CollectorRegistry()).labels(
+            "get").inc
+
+        def count() -> bytes:
+            inc()
+            return VALUE
+
+        return [count] * n
     if contender.startswith("cachedstore"):
         kwargs: dict[str, Any] = {"prefix": prefix}
         if "metrics=False" in contender:

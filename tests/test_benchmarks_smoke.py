@@ -104,6 +104,11 @@ def test_allgather_counts(results: dict[str, Any]) -> None:
             # At most one batched read of the keys its watch had not delivered yet.
             assert v["gather_requests"] <= 2 * world + 2, v
             assert _finite_positive(v["wall_s"])
+        if key.startswith("allgather/cachedstore, barrier by arrival keys/"):
+            world = v["world"]
+            # One arrival key per worker, at most one read of the ones not yet delivered.
+            assert v["barrier_by_method"].get("Put") == world, v
+            assert v["barrier_requests"] <= 2 * world + 2, v
     fits = w["allgather_scaling"]["fits"]
     assert fits["cachedstore"]["gather_requests"] is not None
 
