@@ -72,6 +72,7 @@ def test_cluster_members_killed_one_at_a_time(prefix: str) -> None:
             killed.append(victim)
             value = f"v{round_ + 1}"
             _put_any(cluster, prefix + "k", value)
+            accepted = time.monotonic() - started
             seen = wait_until(lambda v=value: store.get("k") == v.encode(), 20,
                               f"the store to see {value} after killing member {victim}")
             store.set("mine", value)
@@ -82,8 +83,9 @@ def test_cluster_members_killed_one_at_a_time(prefix: str) -> None:
             # Following, not re-reading: the next update arrives as a cache hit.
             follows_by_watch(store, lambda v: _put_any(cluster, prefix + "k", v), "k",
                              value.encode(), value + "-followed", timeout=20)
-            report.append(f"{role} {victim}{' (leader)' if was_leader else ''}: "
-                          f"seen after {seen:.2f} s")
+            report.append(f"killed {role} {victim}{' (leader)' if was_leader else ''}: "
+                          f"write accepted {accepted:.2f} s after the kill, seen by the "
+                          f"store {seen:.3f} s later")
             cluster.members[victim].restart()
             cluster.wait_healthy(20)
             assert time.monotonic() - started < 60
