@@ -59,7 +59,7 @@ class Scale:
 
 
 SCALES = {
-    "full": Scale("full", (10, 100, 1_000, 10_000), 7, 7, 0.05, 1_000, 300, 1_000, 200,
+    "full": Scale("full", (10, 100, 1_000, 10_000), 7, 15, 0.05, 1_000, 300, 1_000, 200,
                   (2, 4, 8, 16, 32), 3, 100_000, 10, (1, 64, 512), 1_000),
     "quick": Scale("quick", (10, 100, 1_000, 10_000), 3, 3, 0.03, 1_000, 100, 1_000, 100,
                    (2, 4, 8, 16, 32), 1, 20_000, 5, (1, 64), 1_000),
@@ -248,15 +248,19 @@ class Env:
         self._closers.append(c.close)
         return c
 
+    def tcp_remote_port(self) -> int:
+        """The port of the TCPStore server in another process (started on first use)."""
+        if self._tcp_remote is None:
+            self._tcp_remote = TCPStoreServer()
+        return self._tcp_remote.port
+
     def tcp_store(self, remote: bool, libuv: bool = True) -> Any:
         """A ``TCPStore`` client: of the server in another process (torch's default libuv
         backend), or of a server in this process (libuv or the legacy backend)."""
         import torch.distributed as dist
 
         if remote:
-            if self._tcp_remote is None:
-                self._tcp_remote = TCPStoreServer()
-            return dist.TCPStore("127.0.0.1", self._tcp_remote.port, is_master=False,
+            return dist.TCPStore("127.0.0.1", self.tcp_remote_port(), is_master=False,
                                  wait_for_workers=False, use_libuv=True)
         master = self._tcp_local.get(libuv)
         if master is None:

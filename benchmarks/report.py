@@ -366,7 +366,12 @@ def markdown(results: dict[str, Any], plot_files: list[str], elapsed: float | No
     if wc:
         out += [f"Watch cost: another process put {wc['events']:,} keys one by one (one watch "
                 f"message each); this process spent **{fmt_s(wc['cpu_per_event_s'])} of CPU "
-                f"per event** applying them ({wc['events_per_s']:,.0f} events/s absorbed).", ""]
+                f"per event** applying them ({wc['events_per_s']:,.0f} events/s absorbed): "
+                f"{fmt_s(wc.get('watch_thread_cpu_per_event_s'))} in the store's watch thread, "
+                f"of which {fmt_s(wc.get('handle_cpu_per_event_s'))} in the store's own "
+                f"`Watcher._handle` (decode, revision gate, LRU insert, metrics), and "
+                f"{fmt_s(wc.get('other_threads_cpu_per_event_s'))} in the other threads "
+                f"(grpcio's channel-spin thread and event engine).", ""]
     if "coherence.png" in plot_files:
         out += ["![coherence](plots/coherence.png)", ""]
 
@@ -445,8 +450,39 @@ def markdown(results: dict[str, Any], plot_files: list[str], elapsed: float | No
             "overhead is that slope minus the value's own bytes.", "",
             table(["value size", "entries measured", "RSS per entry", "overhead per entry",
                    "RSS per 100,000 entries"], rows), ""]
-    out += [ANALYSIS]
+    out += [ANALYSIS.format(**analysis_numbers(results))]
     return "\n".join(out)
+
+
+def analysis_numbers(results: dict[str, Any]) -> dict[str, str]:
+    """The few figures the analysis quotes, from this run."""
+    w = results.get("workloads", {})
+    h1, h8 = hot(results, 1), hot(results, 8)
+    nums = {"gather_floor": "", "switch": "", "hit_split": "", "threads8": "–"}
+    t16 = w.get("allgather/torch v2 EtcdStore/W16")
+    if t16:
+        nums["gather_floor"] = (f"At W = 16 that would be 16 requests against torch v2's "
+                                f"{t16['gather_requests']:.0f}: "
+                                f"{fmt_x(t16['gather_requests'] / 16)}.")
+    a = w.get("coherence/cachedstore polling get")
+    b = w.get("coherence/cachedstore polling get, switch interval 0.5 ms")
+    if a and b:
+        nums["switch"] = (f"(p50 {fmt_s(a['p50_s'])} → {fmt_s(b['p50_s'])}, p99 "
+                          f"{fmt_s(a['p99_s'])} → {fmt_s(b['p99_s'])})")
+    on, off = h1.get("cachedstore cached"), h1.get("cachedstore cached, metrics=False")
+    if on and off:
+        nums["hit_split"] = (f"In this run metrics add {fmt_s(on - off)} to a "
+                             f"{fmt_s(on)} hit (metrics=False: {fmt_s(off)}), about "
+                             f"{(on - off) / on:.0%} of it.")
+    parts = []
+    for name, label in (("cachedstore cached", "metrics on"),
+                        ("cachedstore cached, metrics=False", "metrics off"),
+                        ("dict.get (Python floor)", "dict.get")):
+        if name in h1 and name in h8:
+            parts.append(f"{fmt_x(h8[name] / h1[name])} ({label})")
+    if parts:
+        nums["threads8"] = ", ".join(parts) + " versus one thread"
+    return nums
 
 
 ANALYSIS = """## Where targets are missed, and why
@@ -481,41 +517,39 @@ that count is 0 and, since then, the watch has stayed healthy, nothing has been 
 and no resync happened, the cache holds every key under the prefix, so a miss is "absent
 as of the applied revision" without asking etcd. The gather would then cost W requests
 (the puts), 17× below torch v2 at W = 16, and the barrier would lose its W "done" reads.
-(The general form is Kubernetes' list-then-watch cache.)
+(The general form is Kubernetes' list-then-watch cache.) {gather_floor}
 
 **All-gather wall time.** Every store watches the whole prefix, so with W workers each
 write is delivered to W processes: about W × (W keys + W counter updates) watch messages
-per round, all on 2 cores. The "watch cost" line in section 3 is the CPU one process spends
-per watch message; a py-spy profile of that process (`py-spy record --idle --threads`)
-puts the time in grpcio's channel-spin and request-iterator threads and the thread
-hand-offs per message, with the store's own `Watcher._handle` and
-`CoherentCache.apply_events` at a few per cent of the samples. So the round's wall time on
-2 cores grows like W² × that per-message cost, even though etcd's request count is O(W).
-Spread over W hosts (the real deployment) this is W messages per host.
+per round, all on 2 cores. The "watch cost" line in section 3 gives the CPU one process
+spends per watch message, split by thread (from `/proc/self/task/*/stat`): most of it is
+grpcio's streaming machinery (its channel-spin thread, its event engine, and the stream
+iterator inside the watch thread); the store's own `Watcher._handle` is the smaller part.
+So the round's wall time on 2 cores grows like W² × that per-message cost although the
+etcd request count is O(W); spread over W hosts (the real deployment) it is W messages per
+host. Trimming `_handle` would help little; fewer messages (the barrier by arrival keys
+sends W instead of W counter updates plus retries) helps more, as its row shows.
 
 **Coherence lag of a tight polling reader.** A thread that spins on `get` in pure Python
 holds the GIL; the store's watch thread then waits up to `sys.getswitchinterval()` (5 ms by
 default) for it at each of the hand-offs between gRPC's threads and the watch loop, so a
 spinning reader sees the put several milliseconds later than a blocked reader does. The
-same run with `sys.setswitchinterval(0.0005)` (row "switch interval 0.5 ms") shows the lag
-shrink by about the ratio of the intervals, which pins the cause on the GIL, not on etcd
-or the cache. A blocked `get(timeout=…)` or `wait()` releases the GIL and is woken by the
-watch directly (p99 well under 10 ms above): use those, or sleep between polls.
+same run with `sys.setswitchinterval(0.0005)` (row "switch interval 0.5 ms") shrinks the
+lag {switch}, which pins the cause on the GIL, not on etcd or the cache. A blocked
+`get(timeout=…)` or `wait()` releases the GIL and is woken by the watch directly: use
+those, or sleep between polls.
 
 **What a cache hit costs, and where a hot-path saving is.** The "Python floor" rows were
 measured in the same run: a cachetools `LRUCache` lookup under a `threading.Lock` and one
 prometheus-client `Counter.inc()` together make up most of a cached `get`
-(`EtcdStore.get` → `CoherentCache.lookup` → `self._hit_get()`). The counter increment is
-the larger part (prometheus-client takes its own lock per `inc`); compare the
-"metrics=False" row. A saving that keeps exact counts: count hits in a plain integer
-inside `CoherentCache.lookup`, which already holds the cache lock, and export it through a
-custom collector at scrape time — this would remove one lock round trip per hit (not done
-here: it changes the core hot path and prometheus-client's multiprocess mode needs the
-regular counter). With 8 threads the process-wide cost per hit roughly doubles versus one
-thread, for metrics on and off alike, while `dict.get` does not: threads preempted while
-holding the cache lock (or the counter's) make the others queue for it. A lock-free read
-of the value (a GIL-atomic dict lookup, with LRU recency updated approximately) would
-remove that.
+(`EtcdStore.get` → `CoherentCache.lookup` → `self._hit_get()`). {hit_split} A saving that
+keeps exact counts: count hits in a plain integer inside `CoherentCache.lookup`, which
+already holds the cache lock, and export it through a custom collector at scrape time —
+this would remove the counter's own lock round trip per hit (not done here: it changes the
+core hot path, and prometheus-client's multiprocess mode needs the regular counter). With 8
+threads the process-wide cost per hit changes by {threads8}; threads preempted while holding
+the cache lock (or the counter's) make the others queue for it, which a lock-free read of
+the value (a GIL-atomic dict lookup, LRU recency updated approximately) would avoid.
 
 **TCPStore client construction** on a machine without DNS spends ~150 ms per client in a
 reverse lookup of its peer (`socket.cpp: The hostname of the client socket cannot be

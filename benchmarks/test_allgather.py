@@ -118,7 +118,7 @@ def test_allgather(benchmark: Any, env: harness.Env, record: Any, pool: Pool,
                    contender: str, world: int) -> None:
     prefix = env.unique(f"ag-W{world}")
     if contender == "TCPStore":
-        host, port = "127.0.0.1", env.tcp_store(True) and env._tcp_remote.port  # type: ignore[union-attr]
+        host, port = "127.0.0.1", env.tcp_remote_port()
     else:
         host, port = env.host, env.port
     before = env.counters()
