@@ -13,6 +13,9 @@ Coherence rules (see ``coherence.md``), all enforced here under one lock:
   newer than ``R`` was applied while it was in flight (tracked per key in ``_dirty``,
   independently of the LRU, so eviction loses nothing), if no resync happened meanwhile
   (``_epoch``), and if the cached entry is older than ``R``.
+- While the cache is *complete* — it was preloaded with every key under the prefix and has
+  evicted nothing since — a key it does not hold is known to be absent (as of the applied
+  revision) without asking etcd. The first eviction or reset ends that.
 - Entries are served only while ``as_of >= floor``. The floor is ``NOT_SERVING`` while the
   watch is down, the watch's creation revision while it replays missed events after a
   (re)connect, and 0 once it has caught up. The hot path pays one comparison for all this.
@@ -110,6 +113,8 @@ class CoherentCache:
         self._n_waiters = 0
         #: Newest revision whose events have all been applied (events and resync points).
         self.applied_revision = 0
+        #: True while every key under the prefix that exists has an entry here.
+        self.complete = False
         self.closed = False
 
     # -- the hot path --------------------------------------------------------------------
@@ -119,6 +124,20 @@ class CoherentCache:
             try:
                 entry = self._lru[name]
             except (KeyError, TypeError):
+                return None
+        if entry[1] < self.floor:
+            return None
+        return entry
+
+    def lookup_or_absent(self, name: str) -> Entry | None:
+        """Like :meth:`lookup`, and while the cache is complete and caught up, a key it does
+        not hold is answered as absent as of the applied revision (no etcd read needed)."""
+        with self._lock:
+            try:
+                entry = self._lru[name]
+            except KeyError:
+                if self.complete and self.floor == 0:
+                    return (None, self.applied_revision, 0)
                 return None
         if entry[1] < self.floor:
             return None
@@ -134,6 +153,7 @@ class CoherentCache:
 
     # -- updates ---------------------------------------------------------------------------
     def _evicted(self) -> None:
+        self.complete = False  # the evicted key's state is no longer known here
         self._metrics.evictions.inc()
         self._metrics.entries.dec()
 
@@ -236,15 +256,21 @@ class CoherentCache:
         with self._lock:
             self.floor = 0 if self.applied_revision >= creation_revision else creation_revision
 
-    def reset(self, revision: int) -> None:
-        """Forget everything (events were lost, e.g. to compaction); the watch restarts after
-        ``revision``. Fills in flight are refused; waiters re-check etcd."""
+    def reset(self, revision: int,
+              snapshot: Iterable[tuple[str, bytes, int]] | None = None) -> None:
+        """Forget everything (events were lost, e.g. to compaction, or this is the start);
+        the watch (re)starts after ``revision``. Fills in flight are refused; waiters
+        re-check etcd. ``snapshot``, if given, is every key under the prefix as of
+        ``revision`` (name, value, mod_revision): it is loaded and the cache is complete."""
         with self._lock:
             self._metrics.entries.dec(len(self._lru))
             self._lru.clear()
             self._dirty.clear()
             self._epoch += 1
             self.applied_revision = revision
+            self.complete = snapshot is not None
+            for name, value, mod_revision in snapshot or ():
+                self._store(name, (value, revision, mod_revision))  # eviction clears complete
             waiters = [w for ws in self._waiters.values() for w in ws]
         for waiter in waiters:
             waiter.nudge()

@@ -90,6 +90,12 @@ class StoreConfig:
     #: this many seconds after the last confirmed watch contact (each such read counted in
     #: ``cachedstore_stale_reads_total``). None (default): never serve while down.
     max_staleness: float | None = None
+    #: If the prefix holds at most this many keys (and no more than ``cache_size``) when the
+    #: store starts or resyncs, they are all loaded into the cache: while nothing has been
+    #: evicted, a key the cache does not hold is then known to be absent without an etcd
+    #: read (a blocking ``get``/``mget``/``wait`` of a key not yet written costs no request).
+    #: 0 disables it.
+    preload_limit: int = 10_000
     #: One ``get``/``aget`` call in this many is timed into
     #: ``cachedstore_request_duration_seconds`` (hits and misses alike, so its quantiles are
     #: unbiased); 1 times every call at about 0.7 µs more per cache hit. Counts are exact.
@@ -104,10 +110,12 @@ class StoreConfig:
                      "stall_timeout", "keepalive_time", "keepalive_timeout", "max_staleness"):
             if name in given:
                 given[name] = seconds(given[name], name)  # type: ignore[arg-type]
-        for name in ("cache_size", "max_txn_ops", "max_request_bytes", "latency_sample_every"):
+        for name in ("cache_size", "max_txn_ops", "max_request_bytes", "latency_sample_every",
+                     "preload_limit"):
             if name in given:
                 value = given[name]
-                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                lowest = 0 if name == "preload_limit" else 1
+                if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
                     from .errors import InvalidInputError
 
                     raise InvalidInputError(f"{name} must be a positive integer, got {value!r}")

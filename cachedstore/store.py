@@ -27,7 +27,7 @@ from .errors import (
 )
 from .keys import KeySpace, to_value
 from .metrics import make_metrics
-from .watcher import Watcher, current_revision
+from .watcher import Watcher, snapshot
 
 __all__ = ["MISSING", "EtcdStore"]
 
@@ -96,7 +96,7 @@ class EtcdStore:
             ``prometheus_client.REGISTRY`` to use the global one.
         metrics: False to record no metrics at all.
         request_timeout, connect_timeout, stall_timeout, progress_interval, max_staleness,
-        max_txn_ops, max_request_bytes: see :class:`~cachedstore.StoreConfig`.
+        max_txn_ops, max_request_bytes, preload_limit: see :class:`~cachedstore.StoreConfig`.
         config: a complete :class:`~cachedstore.StoreConfig`; keywords override it.
     """
 
@@ -123,6 +123,7 @@ class EtcdStore:
         max_staleness: float | None = None,
         max_txn_ops: int | None = None,
         max_request_bytes: int | None = None,
+        preload_limit: int | None = None,
         config: StoreConfig | None = None,
     ) -> None:
         self._closed = True  # until fully constructed: close() must work on a partial store
@@ -132,7 +133,8 @@ class EtcdStore:
             cache_size=cache_size, timeout=timeout, request_timeout=request_timeout,
             connect_timeout=connect_timeout, stall_timeout=stall_timeout,
             progress_interval=progress_interval, max_staleness=max_staleness,
-            max_txn_ops=max_txn_ops, max_request_bytes=max_request_bytes)
+            max_txn_ops=max_txn_ops, max_request_bytes=max_request_bytes,
+            preload_limit=preload_limit)
         self._config = cfg
         self._keys = KeySpace(prefix, cfg.max_request_bytes)
         self.metrics = make_metrics(registry, metrics)
@@ -162,8 +164,8 @@ class EtcdStore:
         cfg = self._config
         deadline = self._conn.deadline(cfg.connect_timeout)
         self._conn.authenticate(deadline)
-        revision = current_revision(self._conn, self._keys, deadline)
-        self._cache.applied_revision = revision
+        revision, entries = snapshot(self._conn, self._keys, self._preload_limit(), deadline)
+        self._cache.reset(revision, entries)
         self._watcher = Watcher(self._conn, self._keys, self._cache, cfg, self.metrics,
                                 name=f"cachedstore-watch-{self._id}")
         self._watcher.start(revision)
@@ -174,6 +176,9 @@ class EtcdStore:
             raise EtcdConnectionError(
                 f"the watch on {self._conn.targets} could not be created within "
                 f"connect_timeout={cfg.connect_timeout:g} s: {cause}") from None
+
+    def _preload_limit(self) -> int:
+        return min(self._config.preload_limit, self._config.cache_size)
 
     # -- properties --------------------------------------------------------------------
     @property
@@ -259,34 +264,44 @@ class EtcdStore:
             self._observe_get(time.perf_counter() - started)
 
     def _get_slow(self, op: str, name: Name, default: Any, timeout: Timeout) -> Any:
-        """get/aget past the hot path: bytes names, misses, absent keys, blocking."""
-        canonical = self._keys.canonical(name)
-        wait = seconds(timeout)
-        self._check_open()
-        entry = self._cached(canonical)
-        if entry is not None:
-            self.metrics.hit[op].inc()
-            value = entry[0]
-        else:
-            self.metrics.miss[op].inc()
-            value = self._fetch([canonical]).get(canonical)
-        if value is not None:
-            return value
-        if wait is not None:
+        """get past the hot path: bytes names, misses, absent keys, blocking."""
+        canonical, wait, entry = self._begin_get(op, name, timeout)
+        value = entry[0] if entry is not None else self._fetch([canonical]).get(canonical)
+        if value is None and wait is not None:
             try:
-                return self._wait_for(canonical, time.monotonic() + wait, timeout)
+                value = self._wait_for(canonical, time.monotonic() + wait, timeout)
             except StoreTimeoutError:
                 if default is MISSING:
                     raise
-                return default
-        if default is not MISSING:
-            return default
-        raise KeyNotFoundError(name)
+        return value if value is not None else self._absent(name, default)
 
-    def _cached(self, canonical: str) -> Entry | None:
+    def _begin_get(self, op: str, name: Name, timeout: Timeout
+                   ) -> tuple[str, float | None, Entry | None]:
+        """Validate a get's arguments and look it up: (canonical name, wait in seconds or
+        None, the entry to serve or None to read etcd). Counts the hit or miss."""
+        canonical = self._keys.canonical(name)
+        wait = seconds(timeout)
+        self._check_open()
+        entry = self._cached(canonical, blocking=wait is not None)
+        (self.metrics.hit if entry is not None else self.metrics.miss)[op].inc()
+        return canonical, wait, entry
+
+    @staticmethod
+    def _absent(name: Name, default: Any) -> Any:
+        if default is MISSING:
+            raise KeyNotFoundError(name)
+        return default
+
+    def _cached(self, canonical: str, blocking: bool = False) -> Entry | None:
         """The entry to serve for a canonical name: served normally, or stale within
-        ``max_staleness`` while the watch is down (counted). None: read etcd."""
-        entry = self._lookup(canonical)
+        ``max_staleness`` while the watch is down (counted). None: read etcd.
+
+        ``blocking``: the caller will wait for the key if it is absent. Then a complete
+        cache's "not here, so absent" is answer enough (the watch will deliver the key);
+        a non-blocking read of a key the cache never held still asks etcd, so that a key
+        written just before (in real time) is found even if the watch is a moment behind."""
+        cache = self._cache
+        entry = cache.lookup_or_absent(canonical) if blocking else cache.lookup(canonical)
         if entry is not None:
             return entry
         max_staleness = self._config.max_staleness
@@ -333,7 +348,7 @@ class EtcdStore:
             wait = seconds(timeout)
             self._check_open()
             canonical = {i: self._keys.canonical(names[i]) for i in pending}
-            values, hits = self._resolve(set(canonical.values()))
+            values, hits = self._resolve(set(canonical.values()), blocking=wait is not None)
             self.metrics.hit[op].inc(len(names) - len(pending) + hits)
             self.metrics.miss[op].inc(len(pending) - hits)
             deadline = None if wait is None else time.monotonic() + wait
@@ -355,13 +370,14 @@ class EtcdStore:
         finally:
             self.metrics.duration[op].observe(time.perf_counter() - started)
 
-    def _resolve(self, names: set[str]) -> tuple[dict[str, bytes | None], int]:
+    def _resolve(self, names: set[str], blocking: bool = False
+                 ) -> tuple[dict[str, bytes | None], int]:
         """Values of canonical ``names``: served entries first, the rest read from etcd in
         batches. Returns (name → value or None, number served from the cache)."""
         values: dict[str, bytes | None] = {}
         misses = []
         for name in names:
-            entry = self._cached(name)
+            entry = self._cached(name, blocking)
             if entry is None:
                 misses.append(name)
             else:
@@ -421,7 +437,7 @@ class EtcdStore:
         try:
             while True:
                 self._check_open()
-                entry = self._lookup(name)
+                entry = self._cache.lookup_or_absent(name)
                 value = self._fetch([name]).get(name) if entry is None else entry[0]
                 if value is not None:
                     return value
@@ -485,28 +501,18 @@ class EtcdStore:
             self._observe_aget(time.perf_counter() - started)
 
     async def _aget_slow(self, op: str, name: Name, default: Any, timeout: Timeout) -> Any:
-        canonical = self._keys.canonical(name)
-        wait = seconds(timeout)
-        self._check_open()
-        entry = self._cached(canonical)
+        canonical, wait, entry = self._begin_get(op, name, timeout)
         if entry is not None:
-            self.metrics.hit[op].inc()
             value = entry[0]
         else:
-            self.metrics.miss[op].inc()
             value = (await self._in_executor(self._fetch, [canonical])).get(canonical)
-        if value is not None:
-            return value
-        if wait is not None:
+        if value is None and wait is not None:
             try:
-                return await self._await_for(canonical, time.monotonic() + wait, timeout)
+                value = await self._await_for(canonical, time.monotonic() + wait, timeout)
             except StoreTimeoutError:
                 if default is MISSING:
                     raise
-                return default
-        if default is not MISSING:
-            return default
-        raise KeyNotFoundError(name)
+        return value if value is not None else self._absent(name, default)
 
     async def amget(self, names: Iterable[Name], default: Any = MISSING,
                     timeout: Timeout = None) -> list[Any]:
@@ -543,7 +549,7 @@ class EtcdStore:
             self._cache.add_waiter(name, waiter)
             try:
                 self._check_open()
-                entry = self._lookup(name)
+                entry = self._cache.lookup_or_absent(name)
                 if entry is None:
                     value = (await self._in_executor(self._fetch, [name])).get(name)
                 else:

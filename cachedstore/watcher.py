@@ -41,7 +41,7 @@ from .errors import CachedStoreError, StoreClosedError
 from .keys import KeySpace
 from .metrics import NullMetrics, StoreMetrics
 
-__all__ = ["Watcher", "current_revision"]
+__all__ = ["Watcher", "current_revision", "snapshot"]
 
 log = logging.getLogger("cachedstore.watch")
 
@@ -52,9 +52,34 @@ _AUTH_MARKERS = ("auth", "token", "permission")
 def current_revision(conn: Connection, keyspace: KeySpace, deadline: float) -> int:
     """etcd's current revision, read with a count-only range over the prefix (so that it
     also checks the read permission on it). Raises cachedstore errors."""
+    return snapshot(conn, keyspace, 0, deadline)[0]
+
+
+def snapshot(conn: Connection, keyspace: KeySpace, limit: int, deadline: float
+             ) -> tuple[int, list[tuple[str, bytes, int]] | None]:
+    """etcd's current revision R and, if the prefix holds at most ``limit`` keys, all of
+    them as of R: ``(name, value, mod_revision)``; None when there are more (or R was
+    compacted in between). One count-only range, plus one range when there are keys to load.
+    Raises cachedstore errors."""
     request = etcdrpc.RangeRequest(
         key=keyspace.range_start, range_end=keyspace.range_end, count_only=True)
-    return int(conn.call("range", request, deadline=deadline).header.revision)
+    counted = conn.call("range", request, deadline=deadline)
+    revision = int(counted.header.revision)
+    if limit <= 0 or counted.count > limit:  # 0: preloading disabled
+        return revision, None
+    if counted.count == 0:
+        return revision, []
+    request = etcdrpc.RangeRequest(
+        key=keyspace.range_start, range_end=keyspace.range_end, revision=revision)
+    try:
+        response = conn.call("range", request, deadline=deadline)
+    except CachedStoreError as exc:
+        if "compacted" in str(exc):
+            return revision, None
+        raise
+    name_of = keyspace.name_of
+    entries = [(name_of(kv.key), kv.value, kv.mod_revision) for kv in response.kvs]
+    return revision, [e for e in entries if e[0] is not None]  # type: ignore[misc]
 
 
 class Watcher:
@@ -164,10 +189,11 @@ class Watcher:
         self._set_down()
 
     def _resync(self) -> None:
-        """Events were lost: take a fresh revision first, then forget the cache, so that a
-        fill begun after the reset reads at or after the new start revision."""
-        revision = current_revision(self._conn, self._keyspace, self._conn.deadline())
-        self._cache.reset(revision)
+        """Events were lost: take a fresh revision (and snapshot) first, then forget the
+        cache, so that a fill begun after the reset reads at or after the new start."""
+        revision, entries = snapshot(self._conn, self._keyspace, self._config.preload_limit,
+                                     self._conn.deadline())
+        self._cache.reset(revision, entries)
         self._revision = revision
         self._needs_resync = False
 

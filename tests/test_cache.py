@@ -136,3 +136,27 @@ def test_close_releases_waiters_and_stops_serving():
     cache.close()
     assert waiter.event.is_set() and waiter.value is None
     assert cache.closed and cache.lookup("k") is None
+
+
+def test_a_complete_cache_knows_absence_until_it_evicts():
+    cache, _ = make(maxsize=3)
+    cache.reset(10, [("a", b"1", 4), ("b", b"2", 9)])
+    assert cache.complete and cache.applied_revision == 10
+    assert cache.lookup_or_absent("a") == (b"1", 10, 4)
+    assert cache.lookup_or_absent("zz") == (None, 10, 0)  # known absent, no read needed
+    cache.watch_down()
+    assert cache.lookup_or_absent("zz") is None  # not while the watch is down
+    cache.watch_up(10)
+    assert cache.lookup_or_absent("zz") == (None, 10, 0)
+    cache.apply_events([("c", b"3", 11)], 11)
+    assert cache.complete
+    cache.apply_events([("d", b"4", 12)], 12)  # a fourth key: evicts, completeness ends
+    assert not cache.complete and cache.lookup_or_absent("zz") is None
+    cache.reset(20)
+    assert not cache.complete
+
+
+def test_a_snapshot_larger_than_the_cache_is_not_complete():
+    cache, _ = make(maxsize=2)
+    cache.reset(5, [("a", b"1", 1), ("b", b"2", 2), ("c", b"3", 3)])
+    assert not cache.complete and len(cache) == 2

@@ -137,7 +137,7 @@ def _delay_fill(store, during_fill):
 def test_stale_fill_refused_when_the_entry_is_cached(etcd, prefix):
     raw = raw_client(etcd)
     raw.put(prefix + "k", "old")
-    with open_store(etcd, prefix) as store:
+    with open_store(etcd, prefix, preload_limit=0) as store:  # k is read through
 
         def newer_write():
             revision = raw.put(prefix + "k", "new").header.revision
@@ -156,7 +156,7 @@ def test_stale_fill_refused_even_after_eviction(etcd, prefix, change):
     gate, kept outside the LRU, can still refuse the fill."""
     raw = raw_client(etcd)
     raw.put(prefix + "k", "old")
-    with open_store(etcd, prefix, cache_size=1) as store:
+    with open_store(etcd, prefix, cache_size=1, preload_limit=0) as store:
 
         def newer_change_then_evict():
             if change == "put":
@@ -312,3 +312,21 @@ def test_an_idle_watch_is_kept_alive_by_progress_responses(etcd, prefix):
         assert store._watcher.restarts == 0
         assert store.get("k") == b"v"
         assert etcd.etcd_metric("grpc_server_started_total", streams) == streams_before
+
+
+def test_resync_after_compaction_reloads_a_small_prefix(etcd, prefix):
+    raw = raw_client(etcd)
+    with open_store(etcd, prefix) as store:
+        store.set("k", "v1")
+        with held_watch_restart(store):
+            raw.put(prefix + "k", "v2")
+            raw.put(prefix + "new", "n")
+            etcd.compact()
+        eventually(lambda: sample(store.registry, "cachedstore_watch_restarts_total",
+                                  reason="compacted") == 1, what="compaction detected")
+        eventually(lambda: store.watch_healthy, what="resynced")
+        assert store._cache.complete  # reloaded: absence is known again without reads
+        ranges = rpc_count(store.registry, "range")
+        assert store.mget(["k", "new"]) == [b"v2", b"n"]
+        assert store.get("missing", default=None, timeout=0.05) is None
+        assert rpc_count(store.registry, "range") == ranges

@@ -99,7 +99,7 @@ def test_cold_mget_batches_into_txns(etcd, prefix):
     for start in range(0, 1000, 100):
         raw.transaction(compare=[], success=[
             raw.transactions.put(prefix + n, n) for n in names[start:start + 100]], failure=[])
-    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix) as store:
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, preload_limit=0) as store:
         before_txn = rpc_count(store.registry, "txn")
         before_range = rpc_count(store.registry, "range")
         values = store.mget(names)
@@ -114,7 +114,8 @@ def test_cold_mget_batches_into_txns(etcd, prefix):
 
 
 def test_max_txn_ops_is_honoured(etcd, prefix):
-    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, max_txn_ops=10) as store:
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, max_txn_ops=10,
+                   preload_limit=0) as store:
         store.mget([f"n{i}" for i in range(25)], default=None)
         assert rpc_count(store.registry, "txn") == 3
 
@@ -361,3 +362,46 @@ def test_amget(store):
             await store.amget(["a", "b"])
 
     asyncio.run(main())
+
+
+def test_small_prefix_is_preloaded_and_blocking_reads_need_no_etcd_read(etcd, prefix):
+    raw = raw_client(etcd)
+    raw.put(prefix + "a", "1")
+    raw.put(prefix + "b", "2")
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix) as store:
+        assert rpc_count(store.registry, "range") == 2  # count, then the snapshot
+        assert store.mget(["a", "b"]) == [b"1", b"2"]
+        assert rpc_count(store.registry, "range") == 2 and rpc_count(store.registry, "txn") == 0
+        # Blocking reads of keys nobody wrote yet wait on the watch without asking etcd:
+        # the cache holds every key of the prefix, so "not here" means "not yet written".
+        threading.Timer(0.2, lambda: raw.put(prefix + "late", "3")).start()
+        assert store.get("late", timeout=10) == b"3"
+        threading.Timer(0.2, lambda: raw.put(prefix + "later", "4")).start()
+        assert store.mget(["a", "later"], timeout=10) == [b"1", b"4"]
+        assert rpc_count(store.registry, "range") == 2 and rpc_count(store.registry, "txn") == 0
+        # A non-blocking read of a key never seen still asks etcd (it may have been written
+        # a moment ago, ahead of the watch).
+        assert store.get("absent", default=None) is None
+        assert rpc_count(store.registry, "range") == 3
+
+
+def test_blocking_reads_ask_etcd_once_anything_was_evicted(etcd, prefix):
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, cache_size=2) as store:
+        assert rpc_count(store.registry, "range") == 1  # empty prefix: complete already
+        assert store.get("x", default=None, timeout=0.05) is None
+        assert rpc_count(store.registry, "range") == 1
+        for name in ("a", "b", "c"):  # the third entry evicts one: no longer complete
+            store.set(name, "v")
+        assert store.get("y", default=None, timeout=0.05) is None
+        assert rpc_count(store.registry, "range") == 2
+
+
+def test_large_prefix_is_not_preloaded(etcd, prefix):
+    raw = raw_client(etcd)
+    for i in range(5):
+        raw.put(prefix + f"k{i}", "v")
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, preload_limit=4) as store:
+        assert rpc_count(store.registry, "range") == 1 and store.stats()["entries"] == 0
+        assert store.get("k0") == b"v"
+        assert store.get("nope", default=None) is None
+        assert rpc_count(store.registry, "range") == 3  # both were read through
