@@ -88,6 +88,18 @@ def torch_v2_available() -> tuple[bool, str]:
     return True, ""
 
 
+def read_through_kwargs() -> dict[str, Any]:
+    """``EtcdStore`` keywords that make every first read of a key go to etcd.
+
+    Stores that preload a small prefix at start (``preload_limit``, when this version of
+    cachedstore has it) would otherwise answer a "cold" read from the preloaded cache.
+    """
+    from cachedstore import StoreConfig
+
+    fields = getattr(StoreConfig, "__dataclass_fields__", {})
+    return {"preload_limit": 0} if "preload_limit" in fields else {}
+
+
 def note(message: str) -> None:
     """Print a note that survives pytest's capture (on stderr)."""
     print(f"[bench] {message}", file=sys.__stderr__, flush=True)

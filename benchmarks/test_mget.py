@@ -72,7 +72,8 @@ def test_mget(benchmark: Any, env: harness.Env, record: Any, scale: harness.Scal
         def fresh() -> tuple[tuple[Any, ...], dict[str, Any]]:
             while stores:
                 stores.pop().close()
-            stores.append(env.store(prefix=prefix, cache_size=max(n, 1024)))
+            stores.append(env.store(prefix=prefix, cache_size=max(n, 1024),
+                                    **harness.read_through_kwargs()))
             return (keys,), {}
 
         def cold(ks: list[str]) -> list[bytes]:
@@ -123,7 +124,7 @@ def test_cold_mget_1000_round_trips(benchmark: Any, env: harness.Env, record: An
     """A cold mget(1000): etcd round trips counted by the store and by etcd itself."""
     n = 1_000
     prefix = populated(env, n)
-    store = env.store(prefix=prefix, cache_size=4096)
+    store = env.store(prefix=prefix, cache_size=4096, **harness.read_through_kwargs())
     before_store = harness.store_rpcs(store.registry)
     before = env.counters()
     values = benchmark.pedantic(store.mget, args=(names(n),), rounds=1, iterations=1)
