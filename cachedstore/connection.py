@@ -250,6 +250,7 @@ class Connection:
         backoff = self._config.backoff
         attempt = 0
         reauthenticated = False
+        tls_failures = 0
         n_endpoints = len(self._endpoints)
         while True:
             index, ep = self.endpoint()
@@ -283,6 +284,12 @@ class Connection:
                     unsent = code is grpc.StatusCode.UNAVAILABLE and any(
                         m in details for m in _UNSENT_MARKERS)
                     self.failover(index)
+                    if any(m in details for m in _TLS_MARKERS):
+                        # A certificate does not fix itself: give up once every endpoint
+                        # has refused the handshake, instead of retrying until the deadline.
+                        tls_failures += 1
+                        if tls_failures >= n_endpoints:
+                            raise translate_rpc_error(exc, method) from exc
                     if retry == IDEMPOTENT or unsent:
                         delay = backoff.delay(attempt)
                         attempt += 1

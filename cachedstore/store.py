@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from .cache import AsyncWaiter, CoherentCache, Entry, ThreadWaiter
 from .config import StoreConfig, seconds
-from .connection import IDEMPOTENT, UNSENT_ONLY, Connection, Credentials, parse_endpoint
+from .connection import UNSENT_ONLY, Connection, Credentials, parse_endpoint
 from .errors import (
     CachedStoreError,
     EtcdConnectionError,
@@ -585,15 +585,20 @@ class EtcdStore:
 
     def set(self, name: Name, value: Value) -> None:
         """Write ``value`` under ``name`` (one etcd put). Blocks for the round trip; the
-        store's reads see the write as soon as this returns. Thread-safe."""
+        store's reads see the write as soon as this returns. Raises EtcdConnectionError —
+        saying the outcome is unknown — if etcd was lost after the put may have reached it
+        (it is retried, on the next endpoint, only while it provably was not sent).
+        Thread-safe."""
         started = time.perf_counter()
         try:
             canonical, key = self._target(name)
             data = to_value(value)
             self._keys.check_size(key, data)
             self._check_open()
+            # Not retried once it may have reached etcd: a second put of the same value
+            # after someone else's write would make readers see it twice (X, Y, X).
             response = self._conn.call("put", etcdrpc.PutRequest(key=key, value=data),
-                                       deadline=self._conn.deadline(), retry=IDEMPOTENT)
+                                       deadline=self._conn.deadline(), retry=UNSENT_ONLY)
             self._cache.apply_write(canonical, data, response.header.revision)
         finally:
             self.metrics.duration["set"].observe(time.perf_counter() - started)
@@ -624,6 +629,30 @@ class EtcdStore:
         """
         if isinstance(amount, bool) or not isinstance(amount, int):
             raise InvalidTypeError(f"amount must be an int, not {type(amount).__name__}")
+
+        def plus(current: bytes | None) -> bytes:
+            base = 0 if current is None else _parse_int(current, name)
+            return str(base + amount).encode()
+
+        return int(self._read_modify_write("add", name, plus))
+
+    def append(self, name: Name, value: Value) -> bytes:
+        """Atomically append ``value`` to the bytes stored under ``name`` (creating the key
+        if absent) and return the new value: torch Store's ``append``.
+
+        A compare-and-swap Txn on the key's ``mod_revision``, like :meth:`add`: one round
+        trip when the cache holds the current value, two under contention. Never trusts a
+        stale cache entry. Raises InvalidInputError if the result would exceed etcd's
+        request limit, and EtcdConnectionError (outcome unknown) if etcd was lost after the
+        request may have reached it. Thread-safe, and atomic across processes.
+        """
+        data = to_value(value)
+        return self._read_modify_write("append", name, lambda current: (current or b"") + data)
+
+    def _read_modify_write(self, op: str, name: Name,
+                           transform: Callable[[bytes | None], bytes]) -> bytes:
+        """Store ``transform(current value or None)`` atomically: a CAS loop on the key's
+        ``mod_revision`` (or its absence), starting from the cached value as a guess."""
         started = time.perf_counter()
         try:
             canonical, key = self._target(name)
@@ -632,23 +661,15 @@ class EtcdStore:
             current, mod_revision = (guess[0], guess[2]) if guess else (None, 0)
             deadline = self._conn.deadline()
             while True:
-                if current is None:
-                    new = amount
-                    compare = etcdrpc.Compare(key=key, result=etcdrpc.Compare.EQUAL,
-                                              target=etcdrpc.Compare.CREATE, create_revision=0)
-                else:
-                    new = _parse_int(current, name) + amount
-                    compare = etcdrpc.Compare(key=key, result=etcdrpc.Compare.EQUAL,
-                                              target=etcdrpc.Compare.MOD,
-                                              mod_revision=mod_revision)
-                data = str(new).encode()
-                succeeded, response, found = self._cas(key, compare, data, deadline)
+                new = transform(current)
+                self._keys.check_size(key, new)
+                compare = _absent(key) if current is None else _unmodified(key, mod_revision)
+                succeeded, found = self._cas(canonical, key, compare, new, deadline)
                 if succeeded:
-                    self._cache.apply_write(canonical, data, response.header.revision)
                     return new
                 current, mod_revision = (found.value, found.mod_revision) if found else (None, 0)
         finally:
-            self.metrics.duration["add"].observe(time.perf_counter() - started)
+            self.metrics.duration[op].observe(time.perf_counter() - started)
 
     def compare_set(self, name: Name, expected: Value, desired: Value) -> bytes:
         """torch Store's compare-and-set: if the key's value equals ``expected`` — or the key
@@ -666,88 +687,49 @@ class EtcdStore:
             self._keys.check_size(key, data)
             self._check_open()
             deadline = self._conn.deadline()
-            if want:
-                compare = etcdrpc.Compare(key=key, result=etcdrpc.Compare.EQUAL,
-                                          target=etcdrpc.Compare.VALUE, value=want)
-            else:
-                compare = etcdrpc.Compare(key=key, result=etcdrpc.Compare.EQUAL,
-                                          target=etcdrpc.Compare.CREATE, create_revision=0)
+            compare = etcdrpc.Compare(key=key, result=etcdrpc.Compare.EQUAL,
+                                      target=etcdrpc.Compare.VALUE, value=want
+                                      ) if want else _absent(key)
             while True:
-                # A failed compare reads the key (linearizably): fill the cache with it through
-                # the revision gate, or a later get could return an older cached value.
-                token = self._cache.begin_fill([canonical])
-                seen: dict[str, tuple[bytes | None, int]] | None = None
-                try:
-                    succeeded, response, found = self._cas(key, compare, data, deadline)
-                    if not succeeded:
-                        seen = {canonical: (found.value, found.mod_revision)} if found else {}
-                finally:
-                    self._cache.end_fill([canonical], token, seen,
-                                         response.header.revision if seen is not None else 0)
+                succeeded, found = self._cas(canonical, key, compare, data, deadline)
                 if succeeded:
-                    self._cache.apply_write(canonical, data, response.header.revision)
                     return data
                 if found is None:
                     return want
                 if found.value != want:
                     return bytes(found.value)
                 # Present with an empty value and expected == "": swap on its mod_revision.
-                compare = etcdrpc.Compare(key=key, result=etcdrpc.Compare.EQUAL,
-                                          target=etcdrpc.Compare.MOD,
-                                          mod_revision=found.mod_revision)
+                compare = _unmodified(key, found.mod_revision)
         finally:
             self.metrics.duration["compare_set"].observe(time.perf_counter() - started)
 
-    def append(self, name: Name, value: Value) -> bytes:
-        """Atomically append ``value`` to the bytes stored under ``name`` (creating the key
-        if absent) and return the new value: torch Store's ``append``.
-
-        A compare-and-swap Txn on the key's ``mod_revision``, like :meth:`add`: one round
-        trip when the cache holds the current value, two under contention. Never trusts a
-        stale cache entry. Raises InvalidInputError if the result would exceed etcd's
-        request limit, and EtcdConnectionError (outcome unknown) if etcd was lost after the
-        request may have reached it. Thread-safe, and atomic across processes.
-        """
-        started = time.perf_counter()
-        try:
-            canonical, key = self._target(name)
-            data = to_value(value)
-            self._check_open()
-            guess = self._cache.peek(canonical)
-            current, mod_revision = (guess[0], guess[2]) if guess else (None, 0)
-            deadline = self._conn.deadline()
-            while True:
-                if current is None:
-                    new = data
-                    compare = etcdrpc.Compare(key=key, result=etcdrpc.Compare.EQUAL,
-                                              target=etcdrpc.Compare.CREATE, create_revision=0)
-                else:
-                    new = current + data
-                    compare = etcdrpc.Compare(key=key, result=etcdrpc.Compare.EQUAL,
-                                              target=etcdrpc.Compare.MOD,
-                                              mod_revision=mod_revision)
-                self._keys.check_size(key, new)
-                succeeded, response, found = self._cas(key, compare, new, deadline)
-                if succeeded:
-                    self._cache.apply_write(canonical, new, response.header.revision)
-                    return new
-                current, mod_revision = (found.value, found.mod_revision) if found else (None, 0)
-        finally:
-            self.metrics.duration["append"].observe(time.perf_counter() - started)
-
-    def _cas(self, key: bytes, compare: Any, data: bytes, deadline: float
-             ) -> tuple[bool, Any, Any]:
-        """One Txn: if ``compare`` put ``data`` else read the key. Returns (succeeded,
-        response, the key's kv on failure or None if absent)."""
+    def _cas(self, canonical: str, key: bytes, compare: Any, data: bytes, deadline: float
+             ) -> tuple[bool, Any]:
+        """One Txn: if ``compare`` holds put ``data``, else read the key. Returns (succeeded,
+        the key's kv on failure or None if absent). Either way the cache learns the outcome:
+        the put as a local write, the read as a fill through the revision gate (a caller
+        may return what it read, so a later get must not return anything older)."""
         request = etcdrpc.TxnRequest(
             compare=[compare],
             success=[etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=key, value=data))],
             failure=[etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key))])
-        response = self._conn.call("txn", request, deadline=deadline, retry=UNSENT_ONLY)
+        token = self._cache.begin_fill([canonical])
+        seen: dict[str, tuple[bytes | None, int]] | None = None
+        revision = 0
+        try:
+            response = self._conn.call("txn", request, deadline=deadline, retry=UNSENT_ONLY)
+            revision = response.header.revision
+            if response.succeeded:
+                found = None
+            else:
+                kvs = response.responses[0].response_range.kvs
+                found = kvs[0] if kvs else None
+                seen = {canonical: (found.value, found.mod_revision)} if found else {}
+        finally:
+            self._cache.end_fill([canonical], token, seen, revision)
         if response.succeeded:
-            return True, response, None
-        kvs = response.responses[0].response_range.kvs
-        return False, response, (kvs[0] if kvs else None)
+            self._cache.apply_write(canonical, data, revision)
+        return response.succeeded, found
 
     def num_keys(self) -> int:
         """How many keys exist under the prefix (one count-only etcd range). Thread-safe."""
@@ -795,6 +777,18 @@ class EtcdStore:
                 self.close()
         except Exception:
             pass
+
+
+def _absent(key: bytes) -> Any:
+    """A Txn compare: the key does not exist."""
+    return etcdrpc.Compare(key=key, result=etcdrpc.Compare.EQUAL,
+                           target=etcdrpc.Compare.CREATE, create_revision=0)
+
+
+def _unmodified(key: bytes, mod_revision: int) -> Any:
+    """A Txn compare: the key was last modified at ``mod_revision``."""
+    return etcdrpc.Compare(key=key, result=etcdrpc.Compare.EQUAL,
+                           target=etcdrpc.Compare.MOD, mod_revision=mod_revision)
 
 
 def _parse_int(value: bytes, name: object) -> int:
