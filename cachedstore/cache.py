@@ -164,8 +164,15 @@ class CoherentCache:
 
     def _update(self, name: str, value: bytes | None, revision: int, mod_revision: int,
                 woken: list[tuple[Waiter, bytes]]) -> None:
+        """An update (event or local write): recorded for fills in flight, then installed."""
         if name in self._inflight and revision > self._dirty.get(name, 0):
             self._dirty[name] = revision
+        self._install(name, value, revision, mod_revision, woken)
+
+    def _install(self, name: str, value: bytes | None, revision: int, mod_revision: int,
+                 woken: list[tuple[Waiter, bytes]]) -> None:
+        """Store the state as of ``revision`` unless the entry is at least as new; a value
+        hands itself to the key's waiters (collected in ``woken``, woken after the lock)."""
         old = self._lru.get(name)
         if old is not None and revision <= old[1]:
             return
@@ -231,14 +238,7 @@ class CoherentCache:
                     dropped += 1
                     continue
                 value, mod_revision = results.get(name, (None, 0))
-                old = self._lru.get(name)
-                if old is not None and revision <= old[1]:
-                    continue
-                self._store(name, (value, revision, mod_revision))
-                if value is not None:
-                    waiters = self._waiters.pop(name, None)
-                    if waiters:
-                        woken.extend((w, value) for w in waiters)
+                self._install(name, value, revision, mod_revision, woken)
         if dropped:
             self._metrics.fills_dropped.inc(dropped)
         for waiter, value in woken:
