@@ -81,38 +81,36 @@ class CachedStoreArrivalWorker(CachedStoreWorker):
 
 
 class CachedStoreBackoffWorker(CachedStoreWorker):
-    """PROTOTYPE, benchmark only: ``add`` as in ``EtcdStore.add`` (compare-and-swap on the
-    key's mod_revision, first guess from the cache) plus a jittered back-off after each
-    failed attempt, retrying with the freshest value the watch has delivered meanwhile, to
-    measure what that change to the core would save."""
+    """PROTOTYPE, benchmark only, public APIs only: a counter increment like
+    ``EtcdStore.add`` (compare-and-swap Txn, first guess from the store's watch-fed cache)
+    plus a jittered back-off after each failed attempt, retrying with the freshest value
+    known (the failed Txn's answer or the cache's, whichever is larger: the counter only
+    grows, so comparing on the value is safe). It measures what back-off would save."""
+
+    def __init__(self, host: str, port: int, prefix: str, world: int, rank: int) -> None:
+        super().__init__(host, port, prefix, world, rank)
+        self.client = etcd3.client(host, port, timeout=TIMEOUT)
+        self.prefix = prefix
 
     def _add(self, name: str, amount: int = 1) -> int:
-        from etcd3 import etcdrpc
-
-        s = self.store
-        canonical, key = s._target(name)
-        guess = s._cache.peek(canonical)
-        current, mod_revision = (guess[0], guess[2]) if guess else (None, 0)
-        deadline = s._conn.deadline()
+        c, key = self.client, self.prefix + name
+        cached = self.store.get(name, default=None)
+        current = None if cached is None else int(cached)
         for attempt in range(1_000):
             if current is None:
-                new = amount
-                compare = etcdrpc.Compare(key=key, result=etcdrpc.Compare.EQUAL,
-                                          target=etcdrpc.Compare.CREATE, create_revision=0)
+                new, compare = amount, [c.transactions.create(key) == 0]
             else:
-                new = int(current) + amount
-                compare = etcdrpc.Compare(key=key, result=etcdrpc.Compare.EQUAL,
-                                          target=etcdrpc.Compare.MOD, mod_revision=mod_revision)
-            data = str(new).encode()
-            ok, response, found = s._cas(key, compare, data, deadline)
+                new, compare = current + amount, [c.transactions.value(key) == str(current)]
+            ok, responses = c.transaction(compare=compare,
+                                          success=[c.transactions.put(key, str(new))],
+                                          failure=[c.transactions.get(key)])
             if ok:
-                s._cache.apply_write(canonical, data, response.header.revision)
                 return new
-            current, mod_revision = (found.value, found.mod_revision) if found else (None, 0)
+            found = responses[0][0][0] if responses and responses[0] else None
             time.sleep(random.uniform(0, min(0.0005 * 2 ** attempt, 0.02)))
-            newer = s._cache.peek(canonical)  # the watch may know a fresher value by now
-            if newer is not None and newer[0] is not None and newer[2] > mod_revision:
-                current, mod_revision = newer[0], newer[2]
+            cached = self.store.get(name, default=None)  # the watch may know more by now
+            values = [int(v) for v in (found, cached) if v is not None]
+            current = max(values) if values else None
         raise RuntimeError("add: too many attempts")
 
     def run(self, r: int, phase: int) -> None:
@@ -122,6 +120,10 @@ class CachedStoreBackoffWorker(CachedStoreWorker):
         if self._add(f"r{r}/count") == self.world:
             s.set(f"r{r}/done", b"1")
         s.wait([f"r{r}/done"], timeout=TIMEOUT)
+
+    def close(self) -> None:
+        super().close()
+        self.client.close()
 
 
 class Etcd3Worker:

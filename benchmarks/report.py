@@ -389,8 +389,9 @@ def markdown(results: dict[str, Any], plot_files: list[str], elapsed: float | No
             "*all woken*: writer's first put → last reader running; *after last put*: from "
             "the writer's last acknowledged put. etcd's counters: gRPC watch streams opened "
             "(the v2 API has no streams: each torch v2 waiter long-polls its own watch "
-            "request instead), requests while the readers blocked (cachedstore: one "
-            "read-through Range per reader), and while they were woken.", "",
+            "request instead), requests while the readers blocked (a cachedstore reader reads "
+            "the key through once, unless its store preloaded the prefix and so knows the key "
+            "is absent), and while they were woken.", "",
             table(["contender", "readers", "all woken", "after last put", "writer's puts",
                    "watch streams opened", "etcd requests, blocking", "etcd requests, waking"],
                   rows), ""]
@@ -469,6 +470,18 @@ def analysis_numbers(results: dict[str, Any]) -> dict[str, str]:
                                 f"{t16['gather_requests']:.0f}, "
                                 f"{fmt_x(t16['gather_requests'] / 16)}.")
     nums["gather_paragraph"] = (GATHER_PUTS if puts_only else GATHER_READS).format(**nums)
+    nums["backoff"] = "see the table"
+    fits = w.get("allgather_scaling", {}).get("fits", {})
+    top = w.get("allgather_scaling", {}).get("top_world")
+    plain = w.get(f"allgather/cachedstore/W{top}")
+    proto = w.get(f"allgather/cachedstore, add with back-off (prototype)/W{top}")
+    if plain and proto:
+        k1 = fits.get("cachedstore", {}).get("barrier_requests")
+        k2 = fits.get("cachedstore, add with back-off (prototype)", {}).get("barrier_requests")
+        nums["backoff"] = (
+            f"at W = {top} its barrier took {proto['barrier_requests']:.0f} requests against "
+            f"{plain['barrier_requests']:.0f} with `add`"
+            + (f" (exponents {k2:.2f} and {k1:.2f})" if k1 and k2 else ""))
     a = w.get("coherence/cachedstore polling get")
     b = w.get("coherence/cachedstore polling get, switch interval 0.5 ms")
     if a and b:
@@ -524,9 +537,10 @@ arrive together only one CAS per "generation" wins and the others retry with the
 failed Txn returned, so the Txns per round grow towards W²/2 (see the Txn counts in the
 barrier column and its exponent). torch's v2 store has the same problem (it sleeps a random
 0–100 ms after every failed CAS). The row "cachedstore, add with back-off (prototype)" is a
-benchmark-only copy of `add` that sleeps a jittered 0.5 ms × 2^attempt (≤ 20 ms) after a
-failed CAS and retries with the freshest value the watch delivered meanwhile: it changes
-the count little, so back-off is not the fix. What is: a barrier that is another gather —
+benchmark-only increment in the manner of `add` (a CAS Txn, first guess from the store's
+watch-fed cache) that sleeps a jittered 0.5 ms × 2^attempt (≤ 20 ms) after a failed CAS and
+retries with the freshest value known: {backoff} — back-off trims retries
+but does not make the barrier O(W). What does: a barrier that is another gather —
 each worker sets its own arrival key and `wait`s for all W of them (row "cachedstore,
 barrier by arrival keys", public API only), which is O(W) like the gather. A `barrier()`
 helper built that way (or documentation of the pattern) would let users avoid the counter.
@@ -568,7 +582,11 @@ the value (a GIL-atomic dict lookup, LRU recency updated approximately) would av
 **TCPStore client construction** on a machine without DNS spends ~150 ms per client in a
 reverse lookup of its peer (`socket.cpp: The hostname of the client socket cannot be
 retrieved`); that is why the TCPStore fan-out uses fewer readers. It does not affect the
-per-`get` figures, which reuse connected clients.
+per-`get` figures, which reuse connected clients. Across runs on this VM a TCPStore `get`
+round trip has measured either ~12–17 µs or ~125 µs, for the in-process and the
+other-process server alike (most likely the wake-up of an idle server thread on this VM,
+not TCPStore's own work: the 8-thread rows, where the server stays busy, show ~15 µs per
+get process-wide in every run); the table shows what this run saw.
 """
 
 

@@ -63,18 +63,23 @@ class Pool:
         """Send ``msg`` to workers 0..world-1 at once; return their answers in rank order."""
         for c in self.conns[:world]:
             c.send(msg)
-        answers = []
+        answers, errors = [], []
         deadline = time.monotonic() + REPLY_TIMEOUT
         for rank, c in enumerate(self.conns[:world]):
+            # Read every answer even after a failure, so the next command starts in step.
             if not c.poll(max(0.0, deadline - time.monotonic())):
+                self.close()
                 raise TimeoutError(f"worker {rank} did not answer {msg[0]!r} in time")
             status, payload = c.recv()
             if status != "ok":
-                raise RuntimeError(f"worker {rank} failed on {msg!r}:\n{payload}")
+                errors.append(f"worker {rank} failed on {msg!r}:\n{payload}")
             answers.append(payload)
+        if errors:
+            raise RuntimeError(errors[0])
         return answers
 
     def close(self) -> None:
+        """Ask every worker to exit; kill those that do not. Idempotent."""
         for c in self.conns:
             try:
                 c.send(("exit",))
