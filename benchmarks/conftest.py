@@ -27,9 +27,6 @@ _RESULTS: dict[str, Any] = {}
 def env() -> Iterator[harness.Env]:
     _RESULTS["loadavg_at_start"] = [round(x, 2) for x in os.getloadavg()]
     e = harness.Env()
-    _RESULTS.setdefault("notes", [])
-    if not e.torch_v2:
-        _RESULTS["notes"].append(e.torch_v2_note)
     try:
         yield e
     finally:
@@ -62,9 +59,17 @@ def record(request: pytest.FixtureRequest) -> Callable[..., None]:
     return _record
 
 
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    for message in harness.NOTES:
+        terminalreporter.write_line(f"[bench] note: {message}")
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if "workloads" not in _RESULTS:
         return
+    for message in harness.NOTES:
+        if message not in _RESULTS.setdefault("notes", []):
+            _RESULTS["notes"].append(message)
     path = os.environ.get(harness.RESULTS_ENV) or os.path.join(harness.HERE, "out",
                                                                 "results.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -64,7 +64,7 @@ SCALES = {
     "quick": Scale("quick", (10, 100, 1_000, 10_000), 3, 3, 0.03, 1_000, 100, 1_000, 100,
                    (2, 4, 8, 16, 32), 1, 20_000, 5, (1, 64), 1_000),
     "smoke": Scale("smoke", (10, 1_000), 1, 1, 0.002, 20, 5, 50, 10,
-                   (2, 4), 1, 2_000, 2, (1,), 100),
+                   (2, 4), 1, 5_000, 3, (1,), 100),
 }
 
 
@@ -100,9 +100,14 @@ def read_through_kwargs() -> dict[str, Any]:
     return {"preload_limit": 0} if "preload_limit" in fields else {}
 
 
+#: Notes for the end of the run (pytest's terminal summary prints them).
+NOTES: list[str] = []
+
+
 def note(message: str) -> None:
-    """Print a note that survives pytest's capture (on stderr)."""
-    print(f"[bench] {message}", file=sys.__stderr__, flush=True)
+    """Keep a note for the run's summary (printed at the end, and written to the results)."""
+    if message not in NOTES:
+        NOTES.append(message)
 
 
 # --------------------------------------------------------------------------- etcd's own counters
