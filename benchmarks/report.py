@@ -141,6 +141,28 @@ def targets(results: dict[str, Any]) -> list[list[str]]:
 # --------------------------------------------------------------------------- plots
 
 
+def _paired_bars(names: list[str], first: list[float], second: list[float],
+                 labels: tuple[str, str], row_height: float, width: float, legend_y: float,
+                 xlabel: str, title: str, path: str) -> None:
+    """Two horizontal bars per contender on a log axis (1 vs 8 threads, p50 vs p99)."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(width, row_height * len(names) + 1.5))
+    y = range(len(names))
+    ax.barh([i + 0.2 for i in y], first, 0.4, label=labels[0])
+    ax.barh([i - 0.2 for i in y], second, 0.4, label=labels[1])
+    ax.set_yticks(list(y), names)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, legend_y), ncol=2, fontsize=8)
+    ax.grid(axis="x", which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plots(results: dict[str, Any], plots_dir: str) -> list[str]:
     """Draw the PNGs; return their file names."""
     import matplotlib
@@ -155,21 +177,12 @@ def plots(results: dict[str, Any], plots_dir: str) -> list[str]:
     h1, h8 = hot(results, 1), hot(results, 8)
     names = sorted(h1, key=h1.get)
     if names:
-        fig, ax = plt.subplots(figsize=(10, 0.45 * len(names) + 1.5))
-        y = range(len(names))
-        ax.barh([i + 0.2 for i in y], [h1[n] * 1e6 for n in names], 0.4, label="1 thread")
-        ax.barh([i - 0.2 for i in y], [h8.get(n, float("nan")) * 1e6 for n in names], 0.4,
-                label="8 threads (process-wide cost per get)")
-        ax.set_yticks(list(y), names)
-        ax.invert_yaxis()
-        ax.set_xscale("log")
-        ax.set_xlabel("median time per get (µs, log scale)")
-        ax.set_title("Hot key: get of one key")
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.09), ncol=2, fontsize=8)
-        ax.grid(axis="x", which="both", alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(os.path.join(plots_dir, "hot_key.png"), dpi=110)
-        plt.close(fig)
+        _paired_bars(
+            names, [h1[n] * 1e6 for n in names],
+            [h8.get(n, float("nan")) * 1e6 for n in names],
+            ("1 thread", "8 threads (process-wide cost per get)"), 0.45, 10, -0.09,
+            "median time per get (µs, log scale)", "Hot key: get of one key",
+            os.path.join(plots_dir, "hot_key.png"))
         made.append("hot_key.png")
 
     # mget time vs N.
@@ -198,20 +211,11 @@ def plots(results: dict[str, Any], plots_dir: str) -> list[str]:
     co = _w(results, "coherence/")
     if co:
         names = sorted(co, key=lambda n: co[n]["p50_s"])
-        fig, ax = plt.subplots(figsize=(9, 0.6 * len(names) + 1.5))
-        y = range(len(names))
-        ax.barh([i + 0.2 for i in y], [co[n]["p50_s"] * 1e3 for n in names], 0.4, label="p50")
-        ax.barh([i - 0.2 for i in y], [co[n]["p99_s"] * 1e3 for n in names], 0.4, label="p99")
-        ax.set_yticks(list(y), names)
-        ax.invert_yaxis()
-        ax.set_xscale("log")
-        ax.set_xlabel("put by another client → visible to the reader (ms, log scale)")
-        ax.set_title("Coherence lag and wake-up of blocked gets")
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, fontsize=8)
-        ax.grid(axis="x", which="both", alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(os.path.join(plots_dir, "coherence.png"), dpi=110)
-        plt.close(fig)
+        _paired_bars(
+            names, [co[n]["p50_s"] * 1e3 for n in names], [co[n]["p99_s"] * 1e3 for n in names],
+            ("p50", "p99"), 0.6, 9, -0.12,
+            "put by another client → visible to the reader (ms, log scale)",
+            "Coherence lag and wake-up of blocked gets", os.path.join(plots_dir, "coherence.png"))
         made.append("coherence.png")
 
     # All-gather: etcd requests and wall time vs W, log-log.
