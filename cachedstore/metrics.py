@@ -34,7 +34,7 @@ LATENCY_BUCKETS = (
 #: Read operations, whose requests are counted as cache hits or misses.
 READ_OPS = ("get", "mget", "aget", "amget", "check", "wait")
 #: Every operation whose duration is observed.
-ALL_OPS = READ_OPS + ("set", "add", "compare_set", "append", "delete", "num_keys")
+ALL_OPS = READ_OPS + ("set", "mset", "add", "compare_set", "append", "delete", "num_keys")
 #: Why the watch stream had to be restarted.
 RESTART_REASONS = (
     "disconnect", "compacted", "canceled", "stalled", "auth", "ended", "error",

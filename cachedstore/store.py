@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -25,7 +25,7 @@ from .errors import (
     StoreClosedError,
     StoreTimeoutError,
 )
-from .keys import KeySpace, to_value
+from .keys import REQUEST_OVERHEAD, KeySpace, to_value
 from .metrics import make_metrics
 from .watcher import Watcher, snapshot
 
@@ -604,6 +604,48 @@ class EtcdStore:
             self._cache.apply_write(canonical, data, response.header.revision)
         finally:
             self.metrics.duration["set"].observe(time.perf_counter() - started)
+
+    def mset(self, items: Mapping[Name, Value] | Iterable[tuple[Name, Value]]) -> None:
+        """Write several keys: one etcd Txn per ``max_txn_ops`` keys (fewer when the values
+        are large, to stay within etcd's request limit), each Txn atomic. A name given twice
+        keeps its last value. Every name and value is checked before anything is sent
+        (InvalidTypeError, InvalidInputError). Like :meth:`set`, a Txn is not re-sent once
+        it may have reached etcd: EtcdConnectionError then says the outcome is unknown (the
+        Txns before it were applied). Blocks for the round trips. Thread-safe."""
+        started = time.perf_counter()
+        try:
+            pairs = items.items() if isinstance(items, Mapping) else items
+            writes: dict[str, tuple[bytes, bytes]] = {}
+            for name, value in pairs:
+                canonical, key = self._target(name)
+                data = to_value(value)
+                self._keys.check_size(key, data)
+                writes.pop(canonical, None)  # etcd refuses a key twice in one Txn
+                writes[canonical] = (key, data)
+            self._check_open()
+            budget = self._config.max_request_bytes - REQUEST_OVERHEAD
+            batch: list[str] = []
+            size = 0
+            for canonical, (key, data) in writes.items():
+                if batch and (len(batch) == self._config.max_txn_ops
+                              or size + len(key) + len(data) > budget):
+                    self._put_batch(batch, writes)
+                    batch, size = [], 0
+                batch.append(canonical)
+                size += len(key) + len(data)
+            if batch:
+                self._put_batch(batch, writes)
+        finally:
+            self.metrics.duration["mset"].observe(time.perf_counter() - started)
+
+    def _put_batch(self, names: list[str], writes: dict[str, tuple[bytes, bytes]]) -> None:
+        ops = [etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=writes[n][0],
+                                                                value=writes[n][1]))
+               for n in names]
+        response = self._conn.call("txn", etcdrpc.TxnRequest(success=ops),
+                                   deadline=self._conn.deadline(), retry=UNSENT_ONLY)
+        for name in names:
+            self._cache.apply_write(name, writes[name][1], response.header.revision)
 
     def delete(self, name: Name) -> bool:
         """Delete ``name``; True if it existed. Blocks for the round trip. Thread-safe."""

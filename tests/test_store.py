@@ -405,3 +405,27 @@ def test_large_prefix_is_not_preloaded(etcd, prefix):
         assert store.get("k0") == b"v"
         assert store.get("nope", default=None) is None
         assert rpc_count(store.registry, "range") == 3  # both were read through
+
+
+def test_mset_writes_in_batched_txns_and_validates_first(etcd, prefix):
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, max_txn_ops=10) as store:
+        items = {f"m{i:02d}": str(i) for i in range(25)}
+        store.mset(items)
+        assert rpc_count(store.registry, "txn") == 3  # 10 + 10 + 5
+        assert store.mget(list(items)) == [v.encode() for v in items.values()]
+        assert raw_client(etcd).get(prefix + "m07")[0] == b"7"
+        store.mset([("dup", "first"), ("dup", "last")])  # a name twice: the last value wins
+        assert store.get("dup") == b"last"
+        with pytest.raises(InvalidTypeError):
+            store.mset([("ok", "v"), ("bad", 3)])  # type: ignore[list-item]
+        with pytest.raises(InvalidInputError):
+            store.mset([("ok", "v"), ("", "v")])
+        assert store.get("ok", default=None) is None  # nothing of a refused call was written
+
+
+def test_mset_splits_large_values_within_the_request_limit(etcd, prefix):
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix) as store:
+        big = b"x" * 600_000
+        store.mset({f"big{i}": big for i in range(5)})  # 3 MB: more than one request holds
+        assert rpc_count(store.registry, "txn") >= 3
+        assert store.mget([f"big{i}" for i in range(5)]) == [big] * 5
