@@ -115,15 +115,6 @@ class Watcher:
         self.restarts = 0
         self._stream_was_healthy = False
 
-    @property
-    def revision(self) -> int:
-        """Last etcd revision whose events were applied (the resume point is this + 1)."""
-        return self._revision
-
-    @property
-    def thread(self) -> threading.Thread:
-        return self._thread
-
     def start(self, revision: int) -> None:
         """Start watching every change after ``revision``."""
         self._revision = revision
