@@ -196,10 +196,10 @@ def _run_agents(tmp_path: Path, endpoint: str, run_id: str, rdzv_prefix: str,
 
 def _ok_lines(outputs: list[str]) -> dict[int, str]:
     found = {}
-    for line in "".join(outputs).splitlines():
-        m = re.search(r"OK rank=(\d) world=4 sum=10 restart=(\d)", line)
-        if m:
-            found[int(m.group(1))] = m.group(2)
+    # Two workers share their agent's log file, and an unbuffered print() writes its text
+    # and its newline separately: one worker's line can land right after another's.
+    for m in re.finditer(r"OK rank=(\d) world=4 sum=10 restart=(\d)", "".join(outputs)):
+        found[int(m.group(1))] = m.group(2)
     return found
 
 
