@@ -19,13 +19,14 @@ from .errors import (
     InvalidInputError,
     InvalidTypeError,
     KeyNotFoundError,
+    LeaseNotFoundError,
     NotAnIntegerError,
     StoreClosedError,
     StoreTimeoutError,
     TLSError,
 )
 from .exposition import start_metrics_server
-from .store import MISSING, EtcdStore
+from .store import MISSING, EtcdStore, Versioned
 
 __version__ = "0.1.0"
 
@@ -41,11 +42,13 @@ __all__ = [
     "InvalidInputError",
     "InvalidTypeError",
     "KeyNotFoundError",
+    "LeaseNotFoundError",
     "NotAnIntegerError",
     "StoreClosedError",
     "StoreConfig",
     "StoreTimeoutError",
     "TLSError",
+    "Versioned",
     "__version__",
     "start_metrics_server",
 ]

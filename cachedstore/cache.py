@@ -110,6 +110,7 @@ class CoherentCache:
         self._inflight: dict[str, int] = {}
         self._dirty: dict[str, int] = {}
         self._waiters: dict[str, list[Waiter]] = {}
+        self._prefix_waiters: dict[str, list[Waiter]] = {}
         self._n_waiters = 0
         #: Newest revision whose events have all been applied (events and resync points).
         self.applied_revision = 0
@@ -168,6 +169,10 @@ class CoherentCache:
         if name in self._inflight and revision > self._dirty.get(name, 0):
             self._dirty[name] = revision
         self._install(name, value, revision, mod_revision, woken)
+        if value is not None and self._prefix_waiters:
+            for prefix, waiters in self._prefix_waiters.items():
+                if name.startswith(prefix):
+                    woken.extend((w, value) for w in waiters)
 
     def _install(self, name: str, value: bytes | None, revision: int, mod_revision: int,
                  woken: list[tuple[Waiter, bytes]]) -> None:
@@ -272,6 +277,7 @@ class CoherentCache:
             for name, value, mod_revision in snapshot or ():
                 self._store(name, (value, revision, mod_revision))  # eviction clears complete
             waiters = [w for ws in self._waiters.values() for w in ws]
+            waiters += [w for ws in self._prefix_waiters.values() for w in ws]
         for waiter in waiters:
             waiter.nudge()
 
@@ -293,10 +299,31 @@ class CoherentCache:
             self._n_waiters -= 1
         self._metrics.waiters.dec()
 
+    def add_prefix_waiter(self, prefix: str, waiter: Waiter) -> None:
+        """Wake ``waiter`` (``wake(value)``) on every put of a name starting with ``prefix``
+        that the watch or a local write applies, until :meth:`remove_prefix_waiter`. It is
+        nudged on resets and close like any waiter. (Queues block on this.)"""
+        with self._lock:
+            self._prefix_waiters.setdefault(prefix, []).append(waiter)
+            self._n_waiters += 1
+        self._metrics.waiters.inc()
+
+    def remove_prefix_waiter(self, prefix: str, waiter: Waiter) -> None:
+        with self._lock:
+            waiters = self._prefix_waiters.get(prefix)
+            if waiters is not None:
+                with contextlib.suppress(ValueError):
+                    waiters.remove(waiter)
+                if not waiters:
+                    del self._prefix_waiters[prefix]
+            self._n_waiters -= 1
+        self._metrics.waiters.dec()
+
     def nudge_all(self) -> None:
         """Make every waiter re-check (on close, and after a reset)."""
         with self._lock:
             waiters = [w for ws in self._waiters.values() for w in ws]
+            waiters += [w for ws in self._prefix_waiters.values() for w in ws]
         for waiter in waiters:
             waiter.nudge()
 

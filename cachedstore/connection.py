@@ -27,6 +27,7 @@ from .errors import (
     EtcdError,
     EtcdPermissionError,
     InvalidInputError,
+    LeaseNotFoundError,
     StoreClosedError,
     TLSError,
 )
@@ -125,6 +126,8 @@ def translate_rpc_error(exc: grpc.RpcError, method: str) -> CachedStoreError:
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED or "too large" in lowered \
             or "too many operations" in lowered:
         return InvalidInputError(f"{where}: {details}")
+    if "lease not found" in lowered:
+        return LeaseNotFoundError(f"{where}: {details}")
     if code is grpc.StatusCode.CANCELLED:
         return StoreClosedError(f"{where}: cancelled ({details})")
     name = code.name if code is not None else type(exc).__name__

@@ -14,6 +14,7 @@ caller would naturally catch, so both ``except cachedstore.CachedStoreError`` an
     ├── InvalidInputError         (ValueError)        empty name, value over etcd's limit, ...
     │   └── NotAnIntegerError                         add() on a value that is not an integer
     ├── InvalidTypeError          (TypeError)         a name or value that is not str or bytes
+    ├── LeaseNotFoundError        (LookupError)       the lease expired or was revoked
     ├── StoreClosedError          (RuntimeError)      the store was closed
     └── EtcdError                 (RuntimeError)      any other error etcd reported
 
@@ -32,6 +33,7 @@ __all__ = [
     "InvalidInputError",
     "InvalidTypeError",
     "KeyNotFoundError",
+    "LeaseNotFoundError",
     "NotAnIntegerError",
     "StoreClosedError",
     "StoreTimeoutError",
@@ -88,6 +90,10 @@ class NotAnIntegerError(InvalidInputError):
 
 class InvalidTypeError(CachedStoreError, TypeError):
     """A name or value of a type other than ``str`` or ``bytes``."""
+
+
+class LeaseNotFoundError(CachedStoreError, LookupError):
+    """etcd does not know the lease a write named: it expired or was revoked."""
 
 
 class StoreClosedError(CachedStoreError, RuntimeError):

@@ -4,23 +4,28 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from etcd3 import etcdrpc
 from prometheus_client import CollectorRegistry
 
+from . import etcdapi
 from .cache import AsyncWaiter, CoherentCache, Entry, ThreadWaiter
 from .config import StoreConfig, seconds
 from .connection import UNSENT_ONLY, Connection, Credentials, parse_endpoint
 from .errors import (
     CachedStoreError,
     EtcdConnectionError,
+    EtcdError,
+    InvalidInputError,
     InvalidTypeError,
     KeyNotFoundError,
+    LeaseNotFoundError,
     NotAnIntegerError,
     StoreClosedError,
     StoreTimeoutError,
@@ -29,12 +34,24 @@ from .keys import REQUEST_OVERHEAD, KeySpace, to_value
 from .metrics import make_metrics
 from .watcher import Watcher, snapshot
 
-__all__ = ["MISSING", "EtcdStore"]
+__all__ = ["MISSING", "EtcdStore", "Versioned"]
 
 T = TypeVar("T")
 Name = str | bytes
 Value = str | bytes
 Timeout = float | timedelta | None
+
+
+class Versioned(NamedTuple):
+    """A key's value with etcd's metadata, as :meth:`EtcdStore.read` returns it."""
+
+    value: bytes
+    #: The revision of the key's last modification: the token of :meth:`EtcdStore.put_if`.
+    mod_revision: int
+    #: How many times the key was put since it was created (1 after the first put).
+    version: int
+    #: The lease the key is attached to, 0 for none.
+    lease: int
 
 
 class _Missing:
@@ -708,7 +725,7 @@ class EtcdStore:
                 new = transform(current)
                 self._keys.check_size(key, new)
                 compare = _absent(key) if current is None else _unmodified(key, mod_revision)
-                succeeded, found = self._cas(canonical, key, compare, new, deadline)
+                succeeded, found, _ = self._cas(canonical, key, compare, new, deadline)
                 if succeeded:
                     return new
                 current, mod_revision = (found.value, found.mod_revision) if found else (None, 0)
@@ -735,7 +752,7 @@ class EtcdStore:
                                       target=etcdrpc.Compare.VALUE, value=want
                                       ) if want else _absent(key)
             while True:
-                succeeded, found = self._cas(canonical, key, compare, data, deadline)
+                succeeded, found, _ = self._cas(canonical, key, compare, data, deadline)
                 if succeeded:
                     return data
                 if found is None:
@@ -747,16 +764,17 @@ class EtcdStore:
         finally:
             self.metrics.duration["compare_set"].observe(time.perf_counter() - started)
 
-    def _cas(self, canonical: str, key: bytes, compare: Any, data: bytes, deadline: float
-             ) -> tuple[bool, Any]:
+    def _cas(self, canonical: str, key: bytes, compare: Any, data: bytes, deadline: float,
+             lease: int = 0, prev_kv: bool = False) -> tuple[bool, Any, int]:
         """One Txn: if ``compare`` holds put ``data``, else read the key. Returns (succeeded,
         the key's kv on failure or None if absent). Either way the cache learns the outcome:
         the put as a local write, the read as a fill through the revision gate (a caller
-        may return what it read, so a later get must not return anything older)."""
-        request = etcdrpc.TxnRequest(
-            compare=[compare],
-            success=[etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=key, value=data))],
-            failure=[etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key))])
+        may return what it read, so a later get must not return anything older). The third
+        item is the revision of the response; with ``prev_kv`` a success returns the kv it
+        replaced (None if it created the key) as the second."""
+        request = etcdapi.txn(
+            [compare], [etcdapi.op_put(etcdapi.put(key, data, lease=lease, prev_kv=prev_kv))],
+            [etcdapi.op_range(etcdapi.range_key(key))])
         token = self._cache.begin_fill([canonical])
         seen: dict[str, tuple[bytes | None, int]] | None = None
         revision = 0
@@ -764,7 +782,8 @@ class EtcdStore:
             response = self._conn.call("txn", request, deadline=deadline, retry=UNSENT_ONLY)
             revision = response.header.revision
             if response.succeeded:
-                found = None
+                put = response.responses[0].response_put
+                found = put.prev_kv if prev_kv and put.HasField("prev_kv") else None
             else:
                 kvs = response.responses[0].response_range.kvs
                 found = kvs[0] if kvs else None
@@ -773,7 +792,81 @@ class EtcdStore:
             self._cache.end_fill([canonical], token, seen, revision)
         if response.succeeded:
             self._cache.apply_write(canonical, data, revision)
-        return response.succeeded, found
+        return response.succeeded, found, revision
+
+    # -- versioned reads, conditional writes and leases (the rendezvous backend's API) ----
+    def read(self, name: Name) -> Versioned | None:
+        """The key's current value and metadata, read from etcd (linearizable, never from
+        the cache), or None if absent. The result also fills the cache through the revision
+        gate. One range request; blocks for it. Thread-safe."""
+        canonical, key = self._target(name)
+        self._check_open()
+        token = self._cache.begin_fill([canonical])
+        seen: dict[str, tuple[bytes | None, int]] | None = None
+        revision = 0
+        try:
+            response = self._conn.call("range", etcdapi.range_key(key),
+                                       deadline=self._conn.deadline())
+            revision = response.header.revision
+            kv = response.kvs[0] if response.kvs else None
+            seen = {canonical: (kv.value, kv.mod_revision)} if kv else {}
+        finally:
+            self._cache.end_fill([canonical], token, seen, revision)
+        if kv is None:
+            return None
+        return Versioned(bytes(kv.value), kv.mod_revision, kv.version, kv.lease)
+
+    def put_if(self, name: Name, value: Value, *, mod_revision: int, lease: int = 0
+               ) -> tuple[bool, Versioned | None]:
+        """Compare-and-swap on the key's ``mod_revision``: write ``value`` (attached to
+        ``lease`` if non-zero) only if the key was last modified at ``mod_revision``, or,
+        with ``mod_revision=0``, only if it is absent.
+
+        Returns ``(True, the new Versioned)`` on success, else ``(False, the current
+        Versioned or None if absent)``. One Txn; not re-sent once it may have reached etcd
+        (EtcdConnectionError then says the outcome is unknown). LeaseNotFoundError if the
+        lease expired. Blocks for the round trip. Thread-safe, atomic across processes."""
+        canonical, key = self._target(name)
+        data = to_value(value)
+        self._keys.check_size(key, data)
+        if isinstance(mod_revision, bool) or not isinstance(mod_revision, int) \
+                or mod_revision < 0:
+            raise InvalidTypeError(f"mod_revision must be an int >= 0, got {mod_revision!r}")
+        self._check_open()
+        compare = etcdapi.unmodified(key, mod_revision) if mod_revision \
+            else etcdapi.absent(key)
+        succeeded, found, revision = self._cas(canonical, key, compare, data,
+                                               self._conn.deadline(), lease=lease, prev_kv=True)
+        if succeeded:
+            return True, Versioned(data, revision, found.version + 1 if found else 1, lease)
+        if found is None:
+            return False, None
+        return False, Versioned(bytes(found.value), found.mod_revision, found.version,
+                                found.lease)
+
+    def grant_lease(self, ttl: float) -> int:
+        """A new etcd lease of ``ttl`` seconds (rounded up to whole seconds, at least 1);
+        returns its id. Keys written with it vanish when it expires or is revoked. One
+        request; blocks for it. Thread-safe."""
+        ttl_s = seconds(ttl, "ttl")
+        if ttl_s is None or not 0 < ttl_s < 2**62 or ttl_s != ttl_s:
+            raise InvalidInputError(f"ttl must be a finite number of seconds > 0, got {ttl!r}")
+        self._check_open()
+        response = self._conn.call("lease_grant", etcdapi.lease_grant(math.ceil(ttl_s)),
+                                   deadline=self._conn.deadline())
+        if response.error:
+            raise EtcdError(f"etcd lease grant: {response.error}")
+        return int(response.ID)
+
+    def revoke_lease(self, lease: int) -> None:
+        """Revoke ``lease``: every key attached to it is deleted. A lease that no longer
+        exists is not an error. One request; blocks for it. Thread-safe."""
+        self._check_open()
+        try:
+            self._conn.call("lease_revoke", etcdapi.lease_revoke(lease),
+                            deadline=self._conn.deadline())
+        except LeaseNotFoundError:
+            pass
 
     def num_keys(self) -> int:
         """How many keys exist under the prefix (one count-only etcd range). Thread-safe."""

@@ -1,0 +1,125 @@
+"""The etcd v3 request vocabulary: every request cachedstore sends is built here.
+
+The store, the watcher, the rendezvous backend, the CLI and the demo's uncached client build
+their requests with these functions instead of assembling ``etcdrpc`` messages themselves, so
+that a compare, a range or a watch means the same thing everywhere.
+
+Keys and values are ``bytes`` (whole etcd keys: the caller applies its prefix).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from etcd3 import etcdrpc
+
+__all__ = [
+    "EVENT_PUT",
+    "absent",
+    "delete",
+    "lease_grant",
+    "lease_revoke",
+    "op_delete",
+    "op_put",
+    "op_range",
+    "put",
+    "range_key",
+    "range_prefix",
+    "txn",
+    "unmodified",
+    "value_equals",
+    "watch_create",
+    "watch_progress",
+]
+
+#: ``Event.type`` of a put (a delete is 1).
+EVENT_PUT = 0
+
+
+# -- compares ---------------------------------------------------------------------------
+def absent(key: bytes) -> Any:
+    """A Txn compare: ``key`` does not exist."""
+    return etcdrpc.Compare(key=key, result=etcdrpc.Compare.EQUAL,
+                           target=etcdrpc.Compare.CREATE, create_revision=0)
+
+
+def unmodified(key: bytes, mod_revision: int) -> Any:
+    """A Txn compare: ``key`` was last modified at ``mod_revision``."""
+    return etcdrpc.Compare(key=key, result=etcdrpc.Compare.EQUAL,
+                           target=etcdrpc.Compare.MOD, mod_revision=mod_revision)
+
+
+def value_equals(key: bytes, value: bytes) -> Any:
+    """A Txn compare: ``key`` exists and holds exactly ``value``."""
+    return etcdrpc.Compare(key=key, result=etcdrpc.Compare.EQUAL,
+                           target=etcdrpc.Compare.VALUE, value=value)
+
+
+# -- KV requests ------------------------------------------------------------------------
+def range_key(key: bytes, *, revision: int = 0, serializable: bool = False) -> Any:
+    """A linearizable (unless ``serializable``) read of one key."""
+    return etcdrpc.RangeRequest(key=key, revision=revision, serializable=serializable)
+
+
+def range_prefix(start: bytes, end: bytes, *, revision: int = 0, count_only: bool = False,
+                 keys_only: bool = False, limit: int = 0, oldest_first: bool = False) -> Any:
+    """A read of every key in ``[start, end)``; ``oldest_first`` sorts by creation revision."""
+    request = etcdrpc.RangeRequest(key=start, range_end=end, revision=revision,
+                                   count_only=count_only, keys_only=keys_only, limit=limit)
+    if oldest_first:
+        request.sort_order = etcdrpc.RangeRequest.ASCEND
+        request.sort_target = etcdrpc.RangeRequest.CREATE
+    return request
+
+
+def put(key: bytes, value: bytes, *, lease: int = 0, prev_kv: bool = False) -> Any:
+    return etcdrpc.PutRequest(key=key, value=value, lease=lease, prev_kv=prev_kv)
+
+
+def delete(key: bytes, *, range_end: bytes = b"", prev_kv: bool = False) -> Any:
+    return etcdrpc.DeleteRangeRequest(key=key, range_end=range_end, prev_kv=prev_kv)
+
+
+def op_range(request: Any) -> Any:
+    return etcdrpc.RequestOp(request_range=request)
+
+
+def op_put(request: Any) -> Any:
+    return etcdrpc.RequestOp(request_put=request)
+
+
+def op_delete(request: Any) -> Any:
+    return etcdrpc.RequestOp(request_delete_range=request)
+
+
+def txn(compare: Sequence[Any] = (), success: Sequence[Any] = (),
+        failure: Sequence[Any] = ()) -> Any:
+    return etcdrpc.TxnRequest(compare=list(compare), success=list(success),
+                              failure=list(failure))
+
+
+# -- leases -----------------------------------------------------------------------------
+def lease_grant(ttl_seconds: int) -> Any:
+    return etcdrpc.LeaseGrantRequest(TTL=int(ttl_seconds), ID=0)
+
+
+def lease_revoke(lease_id: int) -> Any:
+    return etcdrpc.LeaseRevokeRequest(ID=lease_id)
+
+
+# -- watch ------------------------------------------------------------------------------
+def watch_create(start: bytes, end: bytes, start_revision: int, *,
+                 progress_notify: bool = False) -> Any:
+    """A ``WatchRequest`` creating a watch of ``[start, end)`` from ``start_revision``.
+
+    Never asks for fragments: a large Txn then arrives as one response, applied whole.
+    (python3-etcd3's stubs predate client-chosen watch ids: etcd assigns them in order.)"""
+    return etcdrpc.WatchRequest(create_request=etcdrpc.WatchCreateRequest(
+        key=start, range_end=end, start_revision=start_revision,
+        progress_notify=progress_notify))
+
+
+def watch_progress() -> Any:
+    """A ``WatchRequest`` asking etcd for a progress response (answered with watch id -1)."""
+    return etcdrpc.WatchRequest(progress_request=etcdrpc.WatchProgressRequest())
