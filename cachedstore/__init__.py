@@ -22,6 +22,7 @@ from .errors import (
     LeaseNotFoundError,
     NotAnIntegerError,
     StoreClosedError,
+    StoreForkedError,
     StoreTimeoutError,
     TLSError,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "NotAnIntegerError",
     "StoreClosedError",
     "StoreConfig",
+    "StoreForkedError",
     "StoreTimeoutError",
     "TLSError",
     "Versioned",

@@ -1,30 +1,54 @@
-"""The revision-gated LRU cache and the waiters that block on it.
+"""The coherence core: every rule that keeps the cache coherent with etcd, in one place.
+
+:class:`CoherentCache` owns all coherence state of a store: the LRU entries, the revision
+high-water marks of evicted keys, the operations in flight, the reset epoch, whether the
+cache may be served, and the waiters. The watcher feeds it (``apply_events``, ``reset``,
+``watch_up``/``watch_down``); the front end asks it (``lookup``) and reports what etcd
+answered (``begin``/``end_fill``/``end_write``). Nothing else touches its state, and it does
+no I/O, so a model-based test drives it through millions of interleavings without etcd.
 
 Every entry is a tuple ``(value, as_of, mod_revision)``: ``value`` is the key's bytes, or
 None for "absent"; ``as_of`` is the etcd revision at which that state was known to be
 current; ``mod_revision`` the key's own last-modified revision (0 when absent).
 
-Coherence rules (see ``coherence.md``), all enforced here under one lock:
+Rules, all enforced here under one lock:
 
-- An update (watch event or local write at revision ``r``) replaces an entry only if
-  ``r > as_of``: events never move a key back in time, and a local write followed by its
-  own watch event is a no-op.
-- A read-through *fill* read at revision ``R`` is inserted only if no update of that key
-  newer than ``R`` was applied while it was in flight (tracked per key in ``_dirty``,
-  independently of the LRU, so eviction loses nothing), if no resync happened meanwhile
-  (``_epoch``), and if the cached entry is older than ``R``.
-- While the cache is *complete* — it was preloaded with every key under the prefix and has
-  evicted nothing since — a key it does not hold is known to be absent (as of the applied
-  revision) without asking etcd. The first eviction or reset ends that.
-- Entries are served only while ``as_of >= floor``. The floor is ``NOT_SERVING`` while the
-  watch is down, the watch's creation revision while it replays missed events after a
-  (re)connect, and 0 once it has caught up. The hot path pays one comparison for all this.
+1. **Newer only.** A state known as of revision ``r`` is installed only if ``r`` is newer
+   than everything known about the key: its entry's ``as_of`` and its high-water mark.
+   Events never move a key back in time; a local write followed by its own watch event is
+   a no-op.
+2. **Eviction keeps what the watch has not caught up with.** Evicting an entry that is
+   ahead of the watch (``as_of > applied_revision``: installed by a local write, a
+   read-through or a CAS read) records its ``as_of`` as the key's high-water mark, kept
+   outside the LRU until ``applied_revision`` passes it. So an older event still on its way
+   cannot be installed after the eviction. The table holds only keys ahead of the watch.
+3. **In flight.** A read-through fill *and* a local write register their keys before the
+   request is sent (:meth:`begin`). Every update of a registered key applied meanwhile is
+   recorded (``_dirty``, outside the LRU); the result is installed only if it is newer than
+   all of them (:meth:`end_fill`, :meth:`end_write`).
+4. **Epoch.** A reset (events lost to compaction, or the start) forgets every entry and
+   mark and starts a new epoch at the reset revision ``S``. A result whose operation began
+   in an earlier epoch is installed only if its revision is newer than ``S`` (older ones
+   are covered by the state at ``S``).
+5. **Completeness.** While the cache is *complete* (preloaded with every key under the
+   prefix and nothing evicted since), a key it does not hold is absent as of the applied
+   revision. The first eviction or a reset without a snapshot ends that.
+6. **Serving.** Entries are served only while ``as_of >= floor``. The floor is
+   ``NOT_SERVING`` while the watch is down, the watch's creation revision while it replays
+   missed events after a (re)connect, and 0 once it has caught up. The hot path pays one
+   comparison for all this; ``watch_down`` takes the lock, so a stall declared on another
+   thread is never undone by an apply in progress.
+7. **Waiters** stay registered until their owner removes them (see ``waiters.py``); a put
+   wakes exactly the waiters of that key (and of prefixes it falls under).
+
+This class is a little over 300 lines: the rules above share one lock and one state, and
+splitting them would spread one invariant over several objects.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import heapq
 import sys
 import threading
 from collections.abc import Callable, Iterable
@@ -33,87 +57,52 @@ from typing import Any
 from cachetools import LRUCache
 
 from .metrics import NullMetrics, StoreMetrics
+from .waiters import AsyncWaiter, ThreadWaiter, Waiter
 
-__all__ = ["NOT_SERVING", "AsyncWaiter", "CoherentCache", "Entry", "ThreadWaiter"]
+__all__ = ["NOT_SERVING", "AsyncWaiter", "CoherentCache", "Entry", "ThreadWaiter", "Ticket"]
 
 Entry = tuple[bytes | None, int, int]
 #: Floor while the watch is down: no entry is that new, so nothing is served.
 NOT_SERVING = sys.maxsize
-
-
-class ThreadWaiter:
-    """A blocked thread. ``wake(value)`` hands it the value; ``nudge()`` asks it to re-check."""
-
-    __slots__ = ("event", "value")
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.value: bytes | None = None
-
-    def wake(self, value: bytes | None) -> None:
-        self.value = value
-        self.event.set()
-
-    def nudge(self) -> None:
-        self.event.set()
-
-
-def _resolve(future: asyncio.Future[bytes | None], value: bytes | None) -> None:
-    if not future.done():
-        future.set_result(value)
-
-
-class AsyncWaiter:
-    """A blocked coroutine: woken through its event loop, no thread held while waiting."""
-
-    __slots__ = ("loop", "future")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.future: asyncio.Future[bytes | None] = loop.create_future()
-
-    def wake(self, value: bytes | None) -> None:
-        try:
-            self.loop.call_soon_threadsafe(_resolve, self.future, value)
-        except RuntimeError:  # the loop was closed: nobody is waiting any more
-            pass
-
-    def nudge(self) -> None:
-        self.wake(None)
-
-
-Waiter = ThreadWaiter | AsyncWaiter
+#: What :meth:`CoherentCache.begin` returns: the epoch the operation began in.
+Ticket = int
+_Woken = list[tuple[Waiter, bytes]]
 
 
 class _LRU(LRUCache):  # type: ignore[type-arg]
-    """cachetools' LRU with an eviction callback."""
+    """cachetools' LRU, telling its owner what it evicts."""
 
-    def __init__(self, maxsize: int, on_evict: Callable[[], None]) -> None:
+    def __init__(self, maxsize: int, on_evict: Callable[[str, Entry], None]) -> None:
         super().__init__(maxsize)
         self._on_evict = on_evict
 
     def popitem(self) -> tuple[Any, Any]:
-        item = super().popitem()
-        self._on_evict()
-        return item
+        name, entry = super().popitem()
+        self._on_evict(name, entry)
+        return name, entry
 
 
 class CoherentCache:
-    """The cache of one store. Thread-safe; no method blocks except on its own lock."""
+    """The coherence core of one store. Thread-safe; no method blocks except on its lock,
+    and none does I/O. Waiters are woken after the lock is released."""
 
     def __init__(self, maxsize: int, metrics: StoreMetrics | NullMetrics) -> None:
         self._lock = threading.Lock()
         self._metrics = metrics
         self._lru = _LRU(maxsize, self._evicted)
+        self.maxsize = maxsize
         self.floor = NOT_SERVING
+        #: Newest revision whose events have all been applied (events and resync points).
+        self.applied_revision = 0
         self._epoch = 0
+        self._epoch_revision = 0
         self._inflight: dict[str, int] = {}
         self._dirty: dict[str, int] = {}
+        self._marks: dict[str, int] = {}
+        self._mark_heap: list[tuple[int, str]] = []
         self._waiters: dict[str, list[Waiter]] = {}
         self._prefix_waiters: dict[str, list[Waiter]] = {}
         self._n_waiters = 0
-        #: Newest revision whose events have all been applied (events and resync points).
-        self.applied_revision = 0
         #: True while every key under the prefix that exists has an entry here.
         self.complete = False
         self.closed = False
@@ -145,200 +134,254 @@ class CoherentCache:
         return entry
 
     def peek(self, name: str) -> Entry | None:
-        """The entry for ``name`` whether or not it may be served (max_staleness, add)."""
+        """The entry for ``name`` whether or not it may be served (max_staleness, CAS)."""
         with self._lock:
-            try:
-                return self._lru[name]  # type: ignore[no-any-return]
-            except KeyError:
-                return None
+            return self._lru.get(name)  # type: ignore[no-any-return]
 
-    # -- updates ---------------------------------------------------------------------------
-    def _evicted(self) -> None:
+    # -- installing ------------------------------------------------------------------------
+    def _evicted(self, name: str, entry: Entry) -> None:
         self.complete = False  # the evicted key's state is no longer known here
+        # Rule 2: an entry ahead of the watch leaves its revision behind.
+        if entry[1] > self.applied_revision and entry[1] > self._marks.get(name, 0):
+            self._marks[name] = entry[1]
+            heapq.heappush(self._mark_heap, (entry[1], name))
         self._metrics.evictions.inc()
         self._metrics.entries.dec()
 
-    def _store(self, name: str, entry: Entry) -> None:
-        if name not in self._lru:
-            self._metrics.entries.inc()
-        self._lru[name] = entry
-
-    def _update(self, name: str, value: bytes | None, revision: int, mod_revision: int,
-                woken: list[tuple[Waiter, bytes]]) -> None:
-        """An update (event or local write): recorded for fills in flight, then installed."""
-        if name in self._inflight and revision > self._dirty.get(name, 0):
-            self._dirty[name] = revision
-        self._install(name, value, revision, mod_revision, woken)
-        if value is not None and self._prefix_waiters:
-            for prefix, waiters in self._prefix_waiters.items():
-                if name.startswith(prefix):
-                    woken.extend((w, value) for w in waiters)
-
     def _install(self, name: str, value: bytes | None, revision: int, mod_revision: int,
-                 woken: list[tuple[Waiter, bytes]]) -> None:
-        """Store the state as of ``revision`` unless the entry is at least as new; a value
-        hands itself to the key's waiters (collected in ``woken``, woken after the lock)."""
+                 woken: _Woken) -> None:
+        """Rule 1: store the state as of ``revision`` unless something at least as new is
+        known; a put hands itself to the key's waiters (woken after the lock)."""
         old = self._lru.get(name)
         if old is not None and revision <= old[1]:
             return
-        self._store(name, (value, revision, mod_revision))
+        mark = self._marks.get(name)
+        if mark is not None:
+            if revision <= mark:
+                return
+            del self._marks[name]  # the entry now holds more than the mark did
+        if old is None:
+            self._metrics.entries.inc()
+        self._lru[name] = (value, revision, mod_revision if value is not None else 0)
         if value is not None:
-            waiters = self._waiters.pop(name, None)
+            waiters = self._waiters.get(name)
             if waiters:
                 woken.extend((w, value) for w in waiters)
+            if self._prefix_waiters:
+                for prefix, ws in self._prefix_waiters.items():
+                    if name.startswith(prefix):
+                        woken.extend((w, value) for w in ws)
 
+    def _update(self, name: str, value: bytes | None, revision: int, mod_revision: int,
+                woken: _Woken) -> None:
+        """An update (event or local write): recorded for operations in flight (rule 3),
+        then installed."""
+        if name in self._inflight and revision > self._dirty.get(name, 0):
+            self._dirty[name] = revision
+        self._install(name, value, revision, mod_revision, woken)
+
+    @staticmethod
+    def _wake(woken: _Woken) -> None:
+        for waiter, value in woken:
+            waiter.wake(value)
+
+    # -- the watch -------------------------------------------------------------------------
     def apply_events(self, events: Iterable[tuple[str, bytes | None, int]],
                      revision: int) -> None:
         """Apply one watch response: ``(name, value or None, mod_revision)`` in order, all
         of revisions up to ``revision``. Wakes the waiters of keys that were put."""
-        woken: list[tuple[Waiter, bytes]] = []
+        woken: _Woken = []
         with self._lock:
             for name, value, mod_revision in events:
                 self._update(name, value, mod_revision, mod_revision, woken)
             if revision > self.applied_revision:
                 self.applied_revision = revision
+                heap, marks = self._mark_heap, self._marks
+                while heap and heap[0][0] <= revision:  # rule 2: the watch caught up
+                    mark, name = heapq.heappop(heap)
+                    if marks.get(name) == mark:
+                        del marks[name]
             if self.floor != NOT_SERVING and revision >= self.floor:
                 self.floor = 0  # caught up with everything up to the creation revision
-        for waiter, value in woken:
-            waiter.wake(value)
+        self._wake(woken)
 
-    def apply_write(self, name: str, value: bytes | None, revision: int) -> None:
-        """Record a write this process made, at the revision etcd assigned (read-your-writes)."""
-        woken: list[tuple[Waiter, bytes]] = []
+    def watch_down(self) -> None:
+        """Stop serving: the watch is not delivering. Safe from any thread."""
         with self._lock:
-            self._update(name, value, revision, revision if value is not None else 0, woken)
-        for waiter, v in woken:
-            waiter.wake(v)
+            self.floor = NOT_SERVING
 
-    # -- read-through fills ----------------------------------------------------------------
-    def begin_fill(self, names: Iterable[str]) -> int:
-        """Register fills of ``names`` before reading them from etcd; returns a token."""
+    def watch_up(self, creation_revision: int) -> None:
+        """The watch stream is (re)created at etcd revision ``creation_revision``: serve
+        entries at least that new now, all entries once the replay has reached it."""
+        with self._lock:
+            if self.closed:
+                return
+            self.floor = 0 if self.applied_revision >= creation_revision else creation_revision
+
+    def reset(self, revision: int,
+              snapshot: Iterable[tuple[str, bytes, int]] | None = None) -> None:
+        """Forget everything (events were lost, e.g. to compaction, or this is the start);
+        the watch (re)starts after ``revision``. A new epoch begins (rule 4); waiters
+        re-check. ``snapshot``, if given, is every key under the prefix as of ``revision``
+        (name, value, mod_revision): it is loaded and the cache is complete."""
+        with self._lock:
+            self._metrics.entries.dec(len(self._lru))
+            self._lru.clear()
+            self._dirty.clear()
+            self._marks.clear()
+            self._mark_heap.clear()
+            self._epoch += 1
+            self._epoch_revision = revision
+            self.applied_revision = revision
+            self.complete = snapshot is not None
+            woken: _Woken = []
+            for name, value, mod_revision in snapshot or ():
+                self._install(name, value, revision, mod_revision, woken)  # may evict
+            waiters = self._all_waiters()
+        for waiter in waiters:
+            waiter.nudge()
+
+    # -- operations in flight (rules 3 and 4) --------------------------------------------------
+    def begin(self, names: Iterable[str]) -> Ticket:
+        """Register a fill or a write of ``names`` before its request is sent; pass the
+        ticket to :meth:`end_fill`/:meth:`end_write` (or :meth:`abandon`) exactly once."""
         with self._lock:
             inflight = self._inflight
             for name in names:
                 inflight[name] = inflight.get(name, 0) + 1
             return self._epoch
 
-    def end_fill(self, names: Iterable[str], token: int,
+    begin_fill = begin  # the name the read-through path uses
+
+    def _finish(self, name: str, ticket: Ticket, revision: int) -> bool:
+        """Unregister one name; True if a result read or written at ``revision`` may be
+        installed (no newer update meanwhile, no reset it predates)."""
+        count = self._inflight[name] - 1
+        if count:
+            self._inflight[name] = count
+            newer = self._dirty.get(name, 0)
+        else:
+            del self._inflight[name]
+            newer = self._dirty.pop(name, 0)
+        if ticket != self._epoch and revision <= self._epoch_revision:
+            return False
+        return newer <= revision
+
+    def end_fill(self, names: Iterable[str], ticket: Ticket,
                  results: dict[str, tuple[bytes | None, int]] | None, revision: int) -> int:
-        """Finish fills begun with ``token``: insert ``results`` (name → (value or None,
+        """Finish fills begun with ``ticket``: insert ``results`` (name → (value or None,
         mod_revision); a missing name means absent) read at ``revision``, unless the gate
         refuses them. ``results=None`` (the read failed) only unregisters. Returns how many
-        fills the gate refused."""
+        fills the gate refused (counted in ``cachedstore_fills_dropped_total``)."""
         dropped = 0
-        woken: list[tuple[Waiter, bytes]] = []
+        woken: _Woken = []
         with self._lock:
-            stale_epoch = token != self._epoch
             for name in names:
-                count = self._inflight[name] - 1
-                if count:
-                    self._inflight[name] = count
-                    newer = self._dirty.get(name, 0)
-                else:
-                    del self._inflight[name]
-                    newer = self._dirty.pop(name, 0)
+                allowed = self._finish(name, ticket, revision)
                 if results is None:
                     continue
-                if stale_epoch or newer > revision:
+                if not allowed:
                     dropped += 1
                     continue
                 value, mod_revision = results.get(name, (None, 0))
                 self._install(name, value, revision, mod_revision, woken)
         if dropped:
             self._metrics.fills_dropped.inc(dropped)
-        for waiter, value in woken:
-            waiter.wake(value)
+        self._wake(woken)
         return dropped
 
-    # -- watch state -------------------------------------------------------------------------
-    def watch_down(self) -> None:
-        """Stop serving: the watch is not delivering."""
-        self.floor = NOT_SERVING
-
-    def watch_up(self, creation_revision: int) -> None:
-        """The watch stream is (re)created at etcd revision ``creation_revision``: serve
-        entries at least that new now, all entries once the replay has reached it."""
+    def end_write(self, writes: Iterable[tuple[str, bytes | None]], ticket: Ticket,
+                  revision: int) -> None:
+        """Finish writes begun with ``ticket`` that etcd applied at ``revision``: each
+        ``(name, value or None for a delete)`` is recorded (read-your-writes) unless the
+        gate refuses it; a refused write is already covered by something newer."""
+        woken: _Woken = []
         with self._lock:
-            self.floor = 0 if self.applied_revision >= creation_revision else creation_revision
+            for name, value in writes:
+                if self._finish(name, ticket, revision):
+                    self._update(name, value, revision, revision, woken)
+        self._wake(woken)
 
-    def reset(self, revision: int,
-              snapshot: Iterable[tuple[str, bytes, int]] | None = None) -> None:
-        """Forget everything (events were lost, e.g. to compaction, or this is the start);
-        the watch (re)starts after ``revision``. Fills in flight are refused; waiters
-        re-check etcd. ``snapshot``, if given, is every key under the prefix as of
-        ``revision`` (name, value, mod_revision): it is loaded and the cache is complete."""
+    def abandon(self, names: Iterable[str]) -> None:
+        """Unregister operations that got no answer from etcd (failed or unknown outcome)."""
         with self._lock:
-            self._metrics.entries.dec(len(self._lru))
-            self._lru.clear()
-            self._dirty.clear()
-            self._epoch += 1
-            self.applied_revision = revision
-            self.complete = snapshot is not None
-            for name, value, mod_revision in snapshot or ():
-                self._store(name, (value, revision, mod_revision))  # eviction clears complete
-            waiters = [w for ws in self._waiters.values() for w in ws]
-            waiters += [w for ws in self._prefix_waiters.values() for w in ws]
-        for waiter in waiters:
-            waiter.nudge()
+            for name in names:
+                self._finish(name, self._epoch, 0)
 
-    # -- waiters -------------------------------------------------------------------------------
+    def apply_write(self, name: str, value: bytes | None, revision: int) -> None:
+        """Record a write made without :meth:`begin` (prefer begin/end_write: a write
+        recorded late without registration can be overtaken by newer events)."""
+        woken: _Woken = []
+        with self._lock:
+            self._update(name, value, revision, revision, woken)
+        self._wake(woken)
+
+    # -- waiters ---------------------------------------------------------------------------------
     def add_waiter(self, name: str, waiter: Waiter) -> None:
-        with self._lock:
-            self._waiters.setdefault(name, []).append(waiter)
-            self._n_waiters += 1
-        self._metrics.waiters.inc()
+        self._register(self._waiters, name, waiter)
 
     def remove_waiter(self, name: str, waiter: Waiter) -> None:
-        with self._lock:
-            waiters = self._waiters.get(name)
-            if waiters is not None:
-                with contextlib.suppress(ValueError):
-                    waiters.remove(waiter)
-                if not waiters:
-                    del self._waiters[name]
-            self._n_waiters -= 1
-        self._metrics.waiters.dec()
+        self._unregister(self._waiters, name, waiter)
 
     def add_prefix_waiter(self, prefix: str, waiter: Waiter) -> None:
-        """Wake ``waiter`` (``wake(value)``) on every put of a name starting with ``prefix``
-        that the watch or a local write applies, until :meth:`remove_prefix_waiter`. It is
-        nudged on resets and close like any waiter. (Queues block on this.)"""
+        """Wake ``waiter`` on every put of a name starting with ``prefix`` (queues)."""
+        self._register(self._prefix_waiters, prefix, waiter)
+
+    def remove_prefix_waiter(self, prefix: str, waiter: Waiter) -> None:
+        self._unregister(self._prefix_waiters, prefix, waiter)
+
+    def _register(self, table: dict[str, list[Waiter]], key: str, waiter: Waiter) -> None:
         with self._lock:
-            self._prefix_waiters.setdefault(prefix, []).append(waiter)
+            table.setdefault(key, []).append(waiter)
             self._n_waiters += 1
         self._metrics.waiters.inc()
 
-    def remove_prefix_waiter(self, prefix: str, waiter: Waiter) -> None:
+    def _unregister(self, table: dict[str, list[Waiter]], key: str, waiter: Waiter) -> None:
         with self._lock:
-            waiters = self._prefix_waiters.get(prefix)
-            if waiters is not None:
-                with contextlib.suppress(ValueError):
-                    waiters.remove(waiter)
-                if not waiters:
-                    del self._prefix_waiters[prefix]
-            self._n_waiters -= 1
-        self._metrics.waiters.dec()
+            waiters = table.get(key)
+            if waiters is None:
+                return
+            with contextlib.suppress(ValueError):
+                waiters.remove(waiter)
+                self._n_waiters -= 1
+                self._metrics.waiters.dec()
+            if not waiters:
+                del table[key]
+
+    def _all_waiters(self) -> list[Waiter]:
+        return [w for table in (self._waiters, self._prefix_waiters)
+                for ws in table.values() for w in ws]
 
     def nudge_all(self) -> None:
-        """Make every waiter re-check (on close, and after a reset)."""
+        """Make every waiter re-check (on close, after a reset, after a fork)."""
         with self._lock:
-            waiters = [w for ws in self._waiters.values() for w in ws]
-            waiters += [w for ws in self._prefix_waiters.values() for w in ws]
+            waiters = self._all_waiters()
         for waiter in waiters:
             waiter.nudge()
 
+    # -- introspection and lifecycle ---------------------------------------------------------------
     @property
     def n_waiters(self) -> int:
         return self._n_waiters
+
+    @property
+    def n_marks(self) -> int:
+        """How many evicted keys are held back by a high-water mark (rule 2)."""
+        return len(self._marks)
+
+    def marks(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._marks)
 
     def __len__(self) -> int:
         return len(self._lru)
 
     def close(self) -> None:
-        """Drop every entry and release every waiter (they then see ``closed``)."""
-        self.closed = True
-        self.floor = NOT_SERVING
+        """Stop serving for good, drop every entry and release every waiter (they then see
+        ``closed``)."""
         with self._lock:
+            self.closed = True
+            self.floor = NOT_SERVING
             self._metrics.entries.dec(len(self._lru))
             self._lru.clear()
         self.nudge_all()

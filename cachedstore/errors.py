@@ -16,6 +16,7 @@ caller would naturally catch, so both ``except cachedstore.CachedStoreError`` an
     ├── InvalidTypeError          (TypeError)         a name or value that is not str or bytes
     ├── LeaseNotFoundError        (LookupError)       the lease expired or was revoked
     ├── StoreClosedError          (RuntimeError)      the store was closed
+    │   └── StoreForkedError                          used in a child forked after creation
     └── EtcdError                 (RuntimeError)      any other error etcd reported
 
 No raw ``grpc.RpcError`` escapes the public API: each is translated into one of these, with
@@ -36,6 +37,7 @@ __all__ = [
     "LeaseNotFoundError",
     "NotAnIntegerError",
     "StoreClosedError",
+    "StoreForkedError",
     "StoreTimeoutError",
     "TLSError",
 ]
@@ -98,6 +100,11 @@ class LeaseNotFoundError(CachedStoreError, LookupError):
 
 class StoreClosedError(CachedStoreError, RuntimeError):
     """The store was closed; no further operations are possible."""
+
+
+class StoreForkedError(StoreClosedError):
+    """The store was created before ``os.fork()`` and used in the child, which has no watch
+    thread and cannot use the parent's gRPC channels: create a new store in the child."""
 
 
 class EtcdError(CachedStoreError, RuntimeError):

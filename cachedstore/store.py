@@ -1,75 +1,58 @@
-"""The front end: :class:`EtcdStore`."""
+"""The front end: :class:`EtcdStore`, wiring the parts of one store together.
+
+The parts, one concern each: the coherence core (``cache.py``), the watch (``watcher.py``),
+read-through and waiting (``reads.py``), writes and Txns (``writes.py``), asyncio
+(``aio.py``), the connection (``connection.py``). This module keeps only the hot paths of
+``get``/``aget``/``mget`` (inline on purpose: a cache hit is one lookup and one counter
+increment), the lifecycle (construction, ``close``, fork) and the documented public
+methods, which delegate.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
-import math
+import os
+import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, NamedTuple, TypeVar
+from typing import Any
 
-from etcd3 import etcdrpc
 from prometheus_client import CollectorRegistry
 
-from . import etcdapi
-from .cache import AsyncWaiter, CoherentCache, Entry, ThreadWaiter
-from .config import StoreConfig, seconds
-from .connection import UNSENT_ONLY, Connection, Credentials, parse_endpoint
+from .aio import AsyncFront
+from .cache import NOT_SERVING, CoherentCache
+from .clock import SYSTEM_CLOCK, Clock
+from .config import StoreConfig
+from .connection import Connection, Credentials, parse_endpoint
 from .errors import (
     CachedStoreError,
     EtcdConnectionError,
-    EtcdError,
-    InvalidInputError,
-    InvalidTypeError,
-    KeyNotFoundError,
-    LeaseNotFoundError,
-    NotAnIntegerError,
     StoreClosedError,
-    StoreTimeoutError,
+    StoreForkedError,
 )
-from .keys import REQUEST_OVERHEAD, KeySpace, to_value
+from .keys import KeySpace
 from .metrics import make_metrics
+from .reads import MISSING, ReadThrough, Timeout, names_list
 from .watcher import Watcher, snapshot
+from .writes import Versioned, Writer
 
 __all__ = ["MISSING", "EtcdStore", "Versioned"]
 
-T = TypeVar("T")
 Name = str | bytes
 Value = str | bytes
-Timeout = float | timedelta | None
-
-
-class Versioned(NamedTuple):
-    """A key's value with etcd's metadata, as :meth:`EtcdStore.read` returns it."""
-
-    value: bytes
-    #: The revision of the key's last modification: the token of :meth:`EtcdStore.put_if`.
-    mod_revision: int
-    #: How many times the key was put since it was created (1 after the first put).
-    version: int
-    #: The lease the key is attached to, 0 for none.
-    lease: int
-
-
-class _Missing:
-    """The type of :data:`MISSING`, the "no default given" marker."""
-
-    _instance: _Missing | None = None
-
-    def __new__(cls) -> _Missing:
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
-
-    def __repr__(self) -> str:
-        return "MISSING"
-
-
-MISSING: Any = _Missing()
 _store_ids = itertools.count(1)
+#: Every open store of this process, so that a fork can disable them in the child.
+_live: weakref.WeakSet[EtcdStore] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for store in list(_live):
+        store._forked()  # noqa: SLF001
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class EtcdStore:
@@ -93,6 +76,11 @@ class EtcdStore:
     The etcd key of a name is ``prefix + name``. All methods are thread-safe. Blocking
     methods say so; every etcd round trip is bounded by ``request_timeout``.
 
+    After ``os.fork()`` the store cannot be used in the child: it has no watch thread
+    there, and gRPC channels do not survive a fork. Every operation in the child raises
+    :class:`~cachedstore.StoreForkedError` (a StoreClosedError) — nothing inherited is ever
+    served — and the child creates its own store. The parent is unaffected.
+
     Constructing the store contacts etcd (authenticating, reading the current revision,
     creating the watch) and raises :class:`~cachedstore.EtcdConnectionError` if that does not
     succeed within ``connect_timeout`` (10 s by default); ``PermissionError`` subclasses when
@@ -115,6 +103,7 @@ class EtcdStore:
         request_timeout, connect_timeout, stall_timeout, progress_interval, max_staleness,
         max_txn_ops, max_request_bytes, preload_limit: see :class:`~cachedstore.StoreConfig`.
         config: a complete :class:`~cachedstore.StoreConfig`; keywords override it.
+        clock: where time comes from (:mod:`cachedstore.clock`); tests pass a FakeClock.
     """
 
     def __init__(
@@ -142,10 +131,12 @@ class EtcdStore:
         max_request_bytes: int | None = None,
         preload_limit: int | None = None,
         config: StoreConfig | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self._closed = True  # until fully constructed: close() must work on a partial store
+        self._fork_pid: int | None = None
         self._watcher: Watcher | None = None
-        self._executor: ThreadPoolExecutor | None = None
+        self._aio: AsyncFront | None = None
         cfg = (config or StoreConfig()).with_overrides(
             cache_size=cache_size, timeout=timeout, request_timeout=request_timeout,
             connect_timeout=connect_timeout, stall_timeout=stall_timeout,
@@ -153,13 +144,22 @@ class EtcdStore:
             max_txn_ops=max_txn_ops, max_request_bytes=max_request_bytes,
             preload_limit=preload_limit)
         self._config = cfg
+        self._clock = clock
         self._keys = KeySpace(prefix, cfg.max_request_bytes)
         self.metrics = make_metrics(registry, metrics)
         self._cache = CoherentCache(cfg.cache_size, self.metrics)
-        targets = [parse_endpoint(e) for e in endpoints] if endpoints else [(host, int(port))]
+        if endpoints is not None:
+            targets = [parse_endpoint(e) for e in names_list(endpoints, "endpoints")]
+        else:
+            targets = [(host, int(port))]
         self._conn = Connection(targets, Credentials(ca_cert, cert_key, cert_cert, user,
                                                      password), cfg, self.metrics)
         self._id = next(_store_ids)
+        self._reads = ReadThrough(self._conn, self._keys, self._cache, cfg, self.metrics,
+                                  clock, self._check_open, self._stale_allowed)
+        self._writes = Writer(self._conn, self._keys, self._cache, cfg, self._check_open)
+        self._aio = AsyncFront(self._reads, self._keys, self._cache, self.metrics, clock,
+                               self._check_open, f"cachedstore-aio-{self._id}")
         # The hot path, bound once: a hit is one lookup and one counter increment.
         self._lookup = self._cache.lookup
         self._hit_get = self.metrics.hit["get"].inc
@@ -170,7 +170,9 @@ class EtcdStore:
         self._tick_get = self._tick_aget = 1
         self._observe_get = self.metrics.duration["get"].observe
         self._observe_aget = self.metrics.duration["aget"].observe
+        self._duration = self.metrics.duration
         self._closed = False
+        _live.add(self)
         try:
             self._connect()
         except BaseException:
@@ -197,6 +199,14 @@ class EtcdStore:
     def _preload_limit(self) -> int:
         return min(self._config.preload_limit, self._config.cache_size)
 
+    def _stale_allowed(self) -> bool:
+        """Whether ``max_staleness`` lets a cached entry be served while the watch is down."""
+        max_staleness = self._config.max_staleness
+        watcher = self._watcher
+        if max_staleness is None or watcher is None or watcher.up:
+            return False
+        return self._clock.monotonic() - watcher.last_contact <= max_staleness
+
     # -- properties --------------------------------------------------------------------
     @property
     def config(self) -> StoreConfig:
@@ -214,7 +224,8 @@ class EtcdStore:
     @property
     def watch_healthy(self) -> bool:
         """True while the watch is up and the cache may be served."""
-        return self._watcher is not None and self._watcher.up
+        return (self._watcher is not None and self._watcher.up
+                and self._cache.floor != NOT_SERVING)
 
     @property
     def watch_revision(self) -> int:
@@ -255,9 +266,12 @@ class EtcdStore:
         return it, or when ``timeout`` passes return ``default`` if given, else raise
         :class:`~cachedstore.StoreTimeoutError`; without ``timeout``, return ``default``
         unchanged if given, else raise :class:`~cachedstore.KeyNotFoundError` (a KeyError).
+        ``timeout`` may be ``float("inf")`` or ``timedelta.max``.
 
         Thread-safe. Non-blocking unless ``timeout`` is given (apart from etcd round trips,
-        each bounded by ``request_timeout``).
+        each bounded by ``request_timeout``). A blocking get never outlasts its timeout, etcd
+        round trips included: if etcd is unreachable until then it raises
+        StoreTimeoutError, whose ``__cause__`` is the EtcdConnectionError.
         """
         tick = self._tick_get - 1
         if tick > 0:  # not sampled for latency: the hot path
@@ -268,7 +282,7 @@ class EtcdStore:
                 if value is not None:
                     self._hit_get()
                     return value
-            return self._get_slow("get", name, default, timeout)
+            return self._reads.get("get", name, default, timeout)
         self._tick_get = self._sample_every
         started = time.perf_counter()
         try:
@@ -276,61 +290,9 @@ class EtcdStore:
             if entry is not None and entry[0] is not None:
                 self._hit_get()
                 return entry[0]
-            return self._get_slow("get", name, default, timeout)
+            return self._reads.get("get", name, default, timeout)
         finally:
             self._observe_get(time.perf_counter() - started)
-
-    def _get_slow(self, op: str, name: Name, default: Any, timeout: Timeout) -> Any:
-        """get past the hot path: bytes names, misses, absent keys, blocking."""
-        canonical, wait, entry = self._begin_get(op, name, timeout)
-        value = entry[0] if entry is not None else self._fetch([canonical]).get(canonical)
-        if value is None and wait is not None:
-            try:
-                value = self._wait_for(canonical, time.monotonic() + wait, timeout)
-            except StoreTimeoutError:
-                if default is MISSING:
-                    raise
-        return value if value is not None else self._absent(name, default)
-
-    def _begin_get(self, op: str, name: Name, timeout: Timeout
-                   ) -> tuple[str, float | None, Entry | None]:
-        """Validate a get's arguments and look it up: (canonical name, wait in seconds or
-        None, the entry to serve or None to read etcd). Counts the hit or miss."""
-        canonical = self._keys.canonical(name)
-        wait = seconds(timeout)
-        self._check_open()
-        entry = self._cached(canonical, blocking=wait is not None)
-        (self.metrics.hit if entry is not None else self.metrics.miss)[op].inc()
-        return canonical, wait, entry
-
-    @staticmethod
-    def _absent(name: Name, default: Any) -> Any:
-        if default is MISSING:
-            raise KeyNotFoundError(name)
-        return default
-
-    def _cached(self, canonical: str, blocking: bool = False) -> Entry | None:
-        """The entry to serve for a canonical name: served normally, or stale within
-        ``max_staleness`` while the watch is down (counted). None: read etcd.
-
-        ``blocking``: the caller will wait for the key if it is absent. Then a complete
-        cache's "not here, so absent" is answer enough (the watch will deliver the key);
-        a non-blocking read of a key the cache never held still asks etcd, so that a key
-        written just before (in real time) is found even if the watch is a moment behind."""
-        cache = self._cache
-        entry = cache.lookup_or_absent(canonical) if blocking else cache.lookup(canonical)
-        if entry is not None:
-            return entry
-        max_staleness = self._config.max_staleness
-        watcher = self._watcher
-        if max_staleness is None or watcher is None or watcher.up:
-            return None
-        if time.monotonic() - watcher.last_contact > max_staleness:
-            return None
-        entry = self._cache.peek(canonical)
-        if entry is not None:
-            self.metrics.stale_reads.inc()
-        return entry
 
     def mget(self, names: Iterable[Name], default: Any = MISSING,
              timeout: Timeout = None) -> list[Any]:
@@ -340,162 +302,56 @@ class EtcdStore:
         ``max_txn_ops`` range requests (1,000 misses: 8 round trips). With ``timeout``,
         blocks until every absent key is created or the (shared) timeout passes. Raises
         KeyNotFoundError for the first absent key when neither default nor timeout is
-        given. Thread-safe.
+        given, InvalidTypeError for a lone str/bytes instead of a list. Thread-safe.
         """
         return self._mget("mget", names, default, timeout)
 
     def _mget(self, op: str, names: Iterable[Name], default: Any, timeout: Timeout
               ) -> list[Any]:
         started = time.perf_counter()
-        names = list(names)
-        lookup = self._lookup
-        results: list[Any] = [None] * len(names)
-        pending: list[int] = []
-        for i, name in enumerate(names):
-            entry = lookup(name)
-            if entry is not None and entry[0] is not None:
-                results[i] = entry[0]
-            else:
-                pending.append(i)
-        if not pending:
-            self.metrics.hit[op].inc(len(names))
-            self.metrics.duration[op].observe(time.perf_counter() - started)
-            return results
         try:
-            wait = seconds(timeout)
-            self._check_open()
-            canonical = {i: self._keys.canonical(names[i]) for i in pending}
-            values, hits = self._resolve(set(canonical.values()), blocking=wait is not None)
-            self.metrics.hit[op].inc(len(names) - len(pending) + hits)
-            self.metrics.miss[op].inc(len(pending) - hits)
-            deadline = None if wait is None else time.monotonic() + wait
-            for i in pending:
-                name = canonical[i]
-                value = values.get(name)
-                if value is None and deadline is not None:
-                    try:
-                        value = values[name] = self._wait_for(name, deadline, timeout)
-                    except StoreTimeoutError:
-                        if default is MISSING:
-                            raise
-                if value is None:
-                    if default is MISSING:
-                        raise KeyNotFoundError(names[i])
-                    value = default
-                results[i] = value
-            return results
+            names = names_list(names)
+            lookup = self._lookup
+            results: list[Any] = [None] * len(names)
+            pending: list[int] = []
+            for i, name in enumerate(names):
+                entry = lookup(name)
+                if entry is not None and entry[0] is not None:
+                    results[i] = entry[0]
+                else:
+                    pending.append(i)
+            if not pending:
+                self.metrics.hit[op].inc(len(names))
+                return results
+            return self._reads.mget(op, names, default, timeout, results, pending)
         finally:
-            self.metrics.duration[op].observe(time.perf_counter() - started)
-
-    def _resolve(self, names: set[str], blocking: bool = False
-                 ) -> tuple[dict[str, bytes | None], int]:
-        """Values of canonical ``names``: served entries first, the rest read from etcd in
-        batches. Returns (name → value or None, number served from the cache)."""
-        values: dict[str, bytes | None] = {}
-        misses = []
-        for name in names:
-            entry = self._cached(name, blocking)
-            if entry is None:
-                misses.append(name)
-            else:
-                values[name] = entry[0]
-        if misses:
-            values.update(self._fetch(misses))
-        return values, len(names) - len(misses)
-
-    def _fetch(self, names: Sequence[str]) -> dict[str, bytes | None]:
-        """Read ``names`` from etcd (linearizable) in as few round trips as etcd allows and
-        fill the cache through the revision gate. Returns name → value or None (absent)."""
-        out: dict[str, bytes | None] = {}
-        batch = self._config.max_txn_ops
-        for start in range(0, len(names), batch):
-            chunk = names[start:start + batch]
-            token = self._cache.begin_fill(chunk)
-            results: dict[str, tuple[bytes | None, int]] | None = None
-            revision = 0
-            try:
-                results, revision = self._read(chunk)
-            finally:
-                dropped = self._cache.end_fill(chunk, token, results, revision)
-            for name in chunk:
-                value = results.get(name, (None, 0))[0] if results else None
-                if dropped:
-                    # The gate refused this read because the watch applied a newer write
-                    # meanwhile: answer with that newer state rather than the older read.
-                    newer = self._cache.peek(name)
-                    if newer is not None and newer[1] > revision:
-                        value = newer[0]
-                out[name] = value
-        return out
-
-    def _read(self, names: Sequence[str]) -> tuple[dict[str, tuple[bytes | None, int]], int]:
-        key = self._keys.key
-        deadline = self._conn.deadline()
-        if len(names) == 1:
-            response = self._conn.call("range", etcdrpc.RangeRequest(key=key(names[0])),
-                                       deadline=deadline)
-            kvs = [response.kvs]
-        else:
-            ops = [etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key(n)))
-                   for n in names]
-            response = self._conn.call("txn", etcdrpc.TxnRequest(success=ops),
-                                       deadline=deadline)
-            kvs = [r.response_range.kvs for r in response.responses]
-        results = {}
-        for name, found in zip(names, kvs, strict=True):
-            if found:
-                results[name] = (found[0].value, found[0].mod_revision)
-        return results, response.header.revision
-
-    def _wait_for(self, name: str, deadline: float, timeout: Timeout) -> bytes:
-        """Block until ``name`` exists (woken by the watch) and return its value."""
-        waiter = ThreadWaiter()
-        self._cache.add_waiter(name, waiter)
-        try:
-            while True:
-                self._check_open()
-                entry = self._cache.lookup_or_absent(name)
-                value = self._fetch([name]).get(name) if entry is None else entry[0]
-                if value is not None:
-                    return value
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise StoreTimeoutError(
-                        f"timed out after {_describe(timeout)} waiting for key {name!r}")
-                waiter.event.wait(remaining)
-                if waiter.value is not None:
-                    return waiter.value
-                waiter.event.clear()  # nudged (resync or close): check again
-        finally:
-            self._cache.remove_waiter(name, waiter)
+            self._duration[op].observe(time.perf_counter() - started)
 
     def wait(self, names: Iterable[Name], timeout: Timeout = None) -> None:
         """Block until every key in ``names`` exists.
 
         ``timeout`` defaults to the store's ``timeout`` (300 s). Raises
-        :class:`~cachedstore.StoreTimeoutError` (a TimeoutError) when it passes. Waiters
-        share the store's one watch: no extra etcd stream, no polling. Thread-safe.
+        :class:`~cachedstore.StoreTimeoutError` (a TimeoutError) when it passes, also when
+        etcd is unreachable until then. Waiters share the store's one watch: no extra etcd
+        stream, no polling. InvalidTypeError for a lone str/bytes. Thread-safe.
         """
-        wait = seconds(timeout)
-        self._mget("wait", names, MISSING, self._config.timeout if wait is None else wait)
+        names = names_list(names)
+        self._mget("wait", names, MISSING, self._config.timeout if timeout is None else timeout)
 
     def check(self, names: Iterable[Name]) -> bool:
-        """True if every key in ``names`` exists right now (never blocks on absent keys)."""
+        """True if every key in ``names`` exists right now (never blocks on absent keys).
+        InvalidTypeError for a lone str/bytes. Thread-safe."""
         started = time.perf_counter()
         try:
-            self._check_open()
-            canonical = {self._keys.canonical(n) for n in names}
-            values, hits = self._resolve(canonical)
-            self.metrics.hit["check"].inc(hits)
-            self.metrics.miss["check"].inc(len(canonical) - hits)
-            return all(v is not None for v in values.values())
+            return self._reads.check(names)
         finally:
-            self.metrics.duration["check"].observe(time.perf_counter() - started)
+            self._duration["check"].observe(time.perf_counter() - started)
 
     # -- asyncio ---------------------------------------------------------------------------
     async def aget(self, name: Name, default: Any = MISSING, timeout: Timeout = None) -> Any:
         """asyncio :meth:`get`. A hit returns without leaving the event loop's thread; an
-        etcd read runs on the store's small executor; a blocking wait holds no thread."""
+        etcd read runs on the store's small executor; a blocking wait holds no thread.
+        Raises StoreClosedError if the store is closed meanwhile."""
         # The hit path below mirrors get()'s line for line on purpose: sharing it through a
         # helper would add a Python call (~70 ns, a tenth of a hit) to every cached read.
         tick = self._tick_aget - 1
@@ -507,7 +363,7 @@ class EtcdStore:
                 if value is not None:
                     self._hit_aget()
                     return value
-            return await self._aget_slow("aget", name, default, timeout)
+            return await self._async.get("aget", name, default, timeout)
         self._tick_aget = self._sample_every
         started = time.perf_counter()
         try:
@@ -515,28 +371,15 @@ class EtcdStore:
             if entry is not None and entry[0] is not None:
                 self._hit_aget()
                 return entry[0]
-            return await self._aget_slow("aget", name, default, timeout)
+            return await self._async.get("aget", name, default, timeout)
         finally:
             self._observe_aget(time.perf_counter() - started)
 
-    async def _aget_slow(self, op: str, name: Name, default: Any, timeout: Timeout) -> Any:
-        canonical, wait, entry = self._begin_get(op, name, timeout)
-        if entry is not None:
-            value = entry[0]
-        else:
-            value = (await self._in_executor(self._fetch, [canonical])).get(canonical)
-        if value is None and wait is not None:
-            try:
-                value = await self._await_for(canonical, time.monotonic() + wait, timeout)
-            except StoreTimeoutError:
-                if default is MISSING:
-                    raise
-        return value if value is not None else self._absent(name, default)
-
     async def amget(self, names: Iterable[Name], default: Any = MISSING,
                     timeout: Timeout = None) -> list[Any]:
-        """asyncio :meth:`mget`: all hits → no thread hop; misses read on the executor."""
-        names = list(names)
+        """asyncio :meth:`mget`: all hits → no thread hop; misses read on the executor;
+        ``timeout`` covers the whole call."""
+        names = names_list(names)
         lookup = self._lookup
         results: list[Any] = []
         for name in names:
@@ -549,58 +392,20 @@ class EtcdStore:
             return results
         started = time.perf_counter()
         try:
-            values = await self._in_executor(self._mget, "amget", names, None, None)
-        except KeyNotFoundError:
-            values = None
-        if values is not None and all(v is not None for v in values):
-            return values
-        # Some keys are absent: resolve each with aget's rules (waits hold no thread).
-        try:
-            return [await self._aget_slow("amget", n, default, timeout) if values is None
-                    or values[i] is None else values[i] for i, n in enumerate(names)]
+            return list(await self._async.mget("amget", names, default, timeout))
         finally:
-            self.metrics.duration["amget"].observe(time.perf_counter() - started)
+            self._duration["amget"].observe(time.perf_counter() - started)
 
-    async def _await_for(self, name: str, deadline: float, timeout: Timeout) -> bytes:
-        loop = asyncio.get_running_loop()
-        while True:
-            waiter = AsyncWaiter(loop)
-            self._cache.add_waiter(name, waiter)
-            try:
-                self._check_open()
-                entry = self._cache.lookup_or_absent(name)
-                if entry is None:
-                    value = (await self._in_executor(self._fetch, [name])).get(name)
-                else:
-                    value = entry[0]
-                if value is not None:
-                    return value
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise StoreTimeoutError(
-                        f"timed out after {_describe(timeout)} waiting for key {name!r}")
-                try:
-                    value = await asyncio.wait_for(waiter.future, remaining)
-                except asyncio.TimeoutError:
-                    raise StoreTimeoutError(
-                        f"timed out after {_describe(timeout)} waiting for key {name!r}"
-                    ) from None
-                if value is not None:
-                    return value
-            finally:
-                self._cache.remove_waiter(name, waiter)
-
-    async def _in_executor(self, fn: Any, *args: Any) -> Any:
-        if self._executor is None:
-            self._check_open()
-            self._executor = ThreadPoolExecutor(
-                max_workers=4, thread_name_prefix=f"cachedstore-aio-{self._id}")
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+    @property
+    def _async(self) -> AsyncFront:
+        front = self._aio
+        if front is None:
+            raise StoreClosedError("the store is closed")
+        return front
 
     # -- writes --------------------------------------------------------------------------------
-    def _target(self, name: Name) -> tuple[str, bytes]:
-        canonical = self._keys.canonical(name)
-        return canonical, self._keys.key(canonical)
+    def _timed(self, op: str) -> _Timer:
+        return _Timer(self._duration[op])
 
     def set(self, name: Name, value: Value) -> None:
         """Write ``value`` under ``name`` (one etcd put). Blocks for the round trip; the
@@ -608,19 +413,8 @@ class EtcdStore:
         saying the outcome is unknown — if etcd was lost after the put may have reached it
         (it is retried, on the next endpoint, only while it provably was not sent).
         Thread-safe."""
-        started = time.perf_counter()
-        try:
-            canonical, key = self._target(name)
-            data = to_value(value)
-            self._keys.check_size(key, data)
-            self._check_open()
-            # Not retried once it may have reached etcd: a second put of the same value
-            # after someone else's write would make readers see it twice (X, Y, X).
-            response = self._conn.call("put", etcdrpc.PutRequest(key=key, value=data),
-                                       deadline=self._conn.deadline(), retry=UNSENT_ONLY)
-            self._cache.apply_write(canonical, data, response.header.revision)
-        finally:
-            self.metrics.duration["set"].observe(time.perf_counter() - started)
+        with self._timed("set"):
+            self._writes.set(name, value)
 
     def mset(self, items: Mapping[Name, Value] | Iterable[tuple[Name, Value]]) -> None:
         """Write several keys: one etcd Txn per ``max_txn_ops`` keys (fewer when the values
@@ -629,53 +423,13 @@ class EtcdStore:
         (InvalidTypeError, InvalidInputError). Like :meth:`set`, a Txn is not re-sent once
         it may have reached etcd: EtcdConnectionError then says the outcome is unknown (the
         Txns before it were applied). Blocks for the round trips. Thread-safe."""
-        started = time.perf_counter()
-        try:
-            pairs = items.items() if isinstance(items, Mapping) else items
-            writes: dict[str, tuple[bytes, bytes]] = {}
-            for name, value in pairs:
-                canonical, key = self._target(name)
-                data = to_value(value)
-                self._keys.check_size(key, data)
-                writes.pop(canonical, None)  # etcd refuses a key twice in one Txn
-                writes[canonical] = (key, data)
-            self._check_open()
-            budget = self._config.max_request_bytes - REQUEST_OVERHEAD
-            batch: list[str] = []
-            size = 0
-            for canonical, (key, data) in writes.items():
-                if batch and (len(batch) == self._config.max_txn_ops
-                              or size + len(key) + len(data) > budget):
-                    self._put_batch(batch, writes)
-                    batch, size = [], 0
-                batch.append(canonical)
-                size += len(key) + len(data)
-            if batch:
-                self._put_batch(batch, writes)
-        finally:
-            self.metrics.duration["mset"].observe(time.perf_counter() - started)
-
-    def _put_batch(self, names: list[str], writes: dict[str, tuple[bytes, bytes]]) -> None:
-        ops = [etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=writes[n][0],
-                                                                value=writes[n][1]))
-               for n in names]
-        response = self._conn.call("txn", etcdrpc.TxnRequest(success=ops),
-                                   deadline=self._conn.deadline(), retry=UNSENT_ONLY)
-        for name in names:
-            self._cache.apply_write(name, writes[name][1], response.header.revision)
+        with self._timed("mset"):
+            self._writes.mset(items)
 
     def delete(self, name: Name) -> bool:
         """Delete ``name``; True if it existed. Blocks for the round trip. Thread-safe."""
-        started = time.perf_counter()
-        try:
-            canonical, key = self._target(name)
-            self._check_open()
-            response = self._conn.call("delete_range", etcdrpc.DeleteRangeRequest(key=key),
-                                       deadline=self._conn.deadline(), retry=UNSENT_ONLY)
-            self._cache.apply_write(canonical, None, response.header.revision)
-            return response.deleted > 0
-        finally:
-            self.metrics.duration["delete"].observe(time.perf_counter() - started)
+        with self._timed("delete"):
+            return self._writes.delete(name)
 
     def add(self, name: Name, amount: int = 1) -> int:
         """Atomically add ``amount`` to the integer stored (as decimal ASCII, like torch's
@@ -688,49 +442,20 @@ class EtcdStore:
         saying the outcome is unknown — if etcd was lost after the request may have
         reached it. Thread-safe, and atomic across processes.
         """
-        if isinstance(amount, bool) or not isinstance(amount, int):
-            raise InvalidTypeError(f"amount must be an int, not {type(amount).__name__}")
-
-        def plus(current: bytes | None) -> bytes:
-            base = 0 if current is None else _parse_int(current, name)
-            return str(base + amount).encode()
-
-        return int(self._read_modify_write("add", name, plus))
+        with self._timed("add"):
+            return self._writes.add(name, amount)
 
     def append(self, name: Name, value: Value) -> bytes:
         """Atomically append ``value`` to the bytes stored under ``name`` (creating the key
         if absent) and return the new value: torch Store's ``append``.
 
-        A compare-and-swap Txn on the key's ``mod_revision``, like :meth:`add`: one round
-        trip when the cache holds the current value, two under contention. Never trusts a
-        stale cache entry. Raises InvalidInputError if the result would exceed etcd's
-        request limit, and EtcdConnectionError (outcome unknown) if etcd was lost after the
-        request may have reached it. Thread-safe, and atomic across processes.
+        A compare-and-swap Txn on the key's ``mod_revision``, like :meth:`add`. Raises
+        InvalidInputError if the result would exceed etcd's request limit, and
+        EtcdConnectionError (outcome unknown) if etcd was lost after the request may have
+        reached it. Thread-safe, and atomic across processes.
         """
-        data = to_value(value)
-        return self._read_modify_write("append", name, lambda current: (current or b"") + data)
-
-    def _read_modify_write(self, op: str, name: Name,
-                           transform: Callable[[bytes | None], bytes]) -> bytes:
-        """Store ``transform(current value or None)`` atomically: a CAS loop on the key's
-        ``mod_revision`` (or its absence), starting from the cached value as a guess."""
-        started = time.perf_counter()
-        try:
-            canonical, key = self._target(name)
-            self._check_open()
-            guess = self._cache.peek(canonical)
-            current, mod_revision = (guess[0], guess[2]) if guess else (None, 0)
-            deadline = self._conn.deadline()
-            while True:
-                new = transform(current)
-                self._keys.check_size(key, new)
-                compare = _absent(key) if current is None else _unmodified(key, mod_revision)
-                succeeded, found, _ = self._cas(canonical, key, compare, new, deadline)
-                if succeeded:
-                    return new
-                current, mod_revision = (found.value, found.mod_revision) if found else (None, 0)
-        finally:
-            self.metrics.duration[op].observe(time.perf_counter() - started)
+        with self._timed("append"):
+            return self._writes.append(name, value)
 
     def compare_set(self, name: Name, expected: Value, desired: Value) -> bytes:
         """torch Store's compare-and-set: if the key's value equals ``expected`` — or the key
@@ -740,81 +465,15 @@ class EtcdStore:
         One etcd Txn (two in the rare case of an existing empty value). Atomic across
         processes; never answered from the cache. Thread-safe.
         """
-        started = time.perf_counter()
-        try:
-            canonical, key = self._target(name)
-            want = to_value(expected, "expected")
-            data = to_value(desired, "desired")
-            self._keys.check_size(key, data)
-            self._check_open()
-            deadline = self._conn.deadline()
-            compare = etcdrpc.Compare(key=key, result=etcdrpc.Compare.EQUAL,
-                                      target=etcdrpc.Compare.VALUE, value=want
-                                      ) if want else _absent(key)
-            while True:
-                succeeded, found, _ = self._cas(canonical, key, compare, data, deadline)
-                if succeeded:
-                    return data
-                if found is None:
-                    return want
-                if found.value != want:
-                    return bytes(found.value)
-                # Present with an empty value and expected == "": swap on its mod_revision.
-                compare = _unmodified(key, found.mod_revision)
-        finally:
-            self.metrics.duration["compare_set"].observe(time.perf_counter() - started)
-
-    def _cas(self, canonical: str, key: bytes, compare: Any, data: bytes, deadline: float,
-             lease: int = 0, prev_kv: bool = False) -> tuple[bool, Any, int]:
-        """One Txn: if ``compare`` holds put ``data``, else read the key. Returns (succeeded,
-        the key's kv on failure or None if absent). Either way the cache learns the outcome:
-        the put as a local write, the read as a fill through the revision gate (a caller
-        may return what it read, so a later get must not return anything older). The third
-        item is the revision of the response; with ``prev_kv`` a success returns the kv it
-        replaced (None if it created the key) as the second."""
-        request = etcdapi.txn(
-            [compare], [etcdapi.op_put(etcdapi.put(key, data, lease=lease, prev_kv=prev_kv))],
-            [etcdapi.op_range(etcdapi.range_key(key))])
-        token = self._cache.begin_fill([canonical])
-        seen: dict[str, tuple[bytes | None, int]] | None = None
-        revision = 0
-        try:
-            response = self._conn.call("txn", request, deadline=deadline, retry=UNSENT_ONLY)
-            revision = response.header.revision
-            if response.succeeded:
-                put = response.responses[0].response_put
-                found = put.prev_kv if prev_kv and put.HasField("prev_kv") else None
-            else:
-                kvs = response.responses[0].response_range.kvs
-                found = kvs[0] if kvs else None
-                seen = {canonical: (found.value, found.mod_revision)} if found else {}
-        finally:
-            self._cache.end_fill([canonical], token, seen, revision)
-        if response.succeeded:
-            self._cache.apply_write(canonical, data, revision)
-        return response.succeeded, found, revision
+        with self._timed("compare_set"):
+            return self._writes.compare_set(name, expected, desired)
 
     # -- versioned reads, conditional writes and leases (the rendezvous backend's API) ----
     def read(self, name: Name) -> Versioned | None:
         """The key's current value and metadata, read from etcd (linearizable, never from
         the cache), or None if absent. The result also fills the cache through the revision
         gate. One range request; blocks for it. Thread-safe."""
-        canonical, key = self._target(name)
-        self._check_open()
-        token = self._cache.begin_fill([canonical])
-        seen: dict[str, tuple[bytes | None, int]] | None = None
-        revision = 0
-        try:
-            response = self._conn.call("range", etcdapi.range_key(key),
-                                       deadline=self._conn.deadline())
-            revision = response.header.revision
-            kv = response.kvs[0] if response.kvs else None
-            seen = {canonical: (kv.value, kv.mod_revision)} if kv else {}
-        finally:
-            self._cache.end_fill([canonical], token, seen, revision)
-        if kv is None:
-            return None
-        return Versioned(bytes(kv.value), kv.mod_revision, kv.version, kv.lease)
+        return self._writes.read(name)
 
     def put_if(self, name: Name, value: Value, *, mod_revision: int, lease: int = 0
                ) -> tuple[bool, Versioned | None]:
@@ -826,47 +485,18 @@ class EtcdStore:
         Versioned or None if absent)``. One Txn; not re-sent once it may have reached etcd
         (EtcdConnectionError then says the outcome is unknown). LeaseNotFoundError if the
         lease expired. Blocks for the round trip. Thread-safe, atomic across processes."""
-        canonical, key = self._target(name)
-        data = to_value(value)
-        self._keys.check_size(key, data)
-        if isinstance(mod_revision, bool) or not isinstance(mod_revision, int) \
-                or mod_revision < 0:
-            raise InvalidTypeError(f"mod_revision must be an int >= 0, got {mod_revision!r}")
-        self._check_open()
-        compare = etcdapi.unmodified(key, mod_revision) if mod_revision \
-            else etcdapi.absent(key)
-        succeeded, found, revision = self._cas(canonical, key, compare, data,
-                                               self._conn.deadline(), lease=lease, prev_kv=True)
-        if succeeded:
-            return True, Versioned(data, revision, found.version + 1 if found else 1, lease)
-        if found is None:
-            return False, None
-        return False, Versioned(bytes(found.value), found.mod_revision, found.version,
-                                found.lease)
+        return self._writes.put_if(name, value, mod_revision, lease)
 
     def grant_lease(self, ttl: float) -> int:
         """A new etcd lease of ``ttl`` seconds (rounded up to whole seconds, at least 1);
         returns its id. Keys written with it vanish when it expires or is revoked. One
-        request; blocks for it. Thread-safe."""
-        ttl_s = seconds(ttl, "ttl")
-        if ttl_s is None or not 0 < ttl_s < 2**62 or ttl_s != ttl_s:
-            raise InvalidInputError(f"ttl must be a finite number of seconds > 0, got {ttl!r}")
-        self._check_open()
-        response = self._conn.call("lease_grant", etcdapi.lease_grant(math.ceil(ttl_s)),
-                                   deadline=self._conn.deadline())
-        if response.error:
-            raise EtcdError(f"etcd lease grant: {response.error}")
-        return int(response.ID)
+        request; blocks for it. InvalidInputError unless 0 < ttl < 2**62. Thread-safe."""
+        return self._writes.grant_lease(ttl)
 
     def revoke_lease(self, lease: int) -> None:
         """Revoke ``lease``: every key attached to it is deleted. A lease that no longer
         exists is not an error. One request; blocks for it. Thread-safe."""
-        self._check_open()
-        try:
-            self._conn.call("lease_revoke", etcdapi.lease_revoke(lease),
-                            deadline=self._conn.deadline())
-        except LeaseNotFoundError:
-            pass
+        self._writes.revoke_lease(lease)
 
     # -- queues and key listing (implemented in cachedstore.queues) ------------------------
     def queue_push(self, name: Name, value: Value) -> None:
@@ -895,37 +525,57 @@ class EtcdStore:
 
     def num_keys(self) -> int:
         """How many keys exist under the prefix (one count-only etcd range). Thread-safe."""
-        started = time.perf_counter()
-        try:
-            self._check_open()
-            request = etcdrpc.RangeRequest(key=self._keys.range_start,
-                                           range_end=self._keys.range_end, count_only=True)
-            return int(self._conn.call("range", request, deadline=self._conn.deadline()).count)
-        finally:
-            self.metrics.duration["num_keys"].observe(time.perf_counter() - started)
+        with self._timed("num_keys"):
+            return self._writes.num_keys()
 
     # -- lifecycle -----------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
+            if self._fork_pid is not None:
+                raise StoreForkedError(
+                    f"this EtcdStore was created in process {self._fork_pid} and cannot be "
+                    f"used in the forked child {os.getpid()} (it has no watch there, and "
+                    f"gRPC does not survive a fork): create a new store in the child")
             raise StoreClosedError("the store is closed")
 
-    def close(self) -> None:
-        """Stop the watch thread, release every waiter (they raise StoreClosedError), shut
-        the executor and close the gRPC channels. Idempotent; blocks for at most a few
-        seconds while the watch thread ends."""
+    def _forked(self) -> None:
+        """In a forked child (single-threaded at this point): never serve what was
+        inherited, never touch the parent's threads or channels."""
+        if self._closed:
+            return
+        self._fork_pid = os.getppid()
         self._closed = True
-        watcher = getattr(self, "_watcher", None)
-        if watcher is not None:
-            watcher.stop()
+        cache = self._cache
+        cache._lock = threading.Lock()  # noqa: SLF001 -- a parent thread may have held it
+        cache.floor = NOT_SERVING
+        cache.closed = True
+        if self._aio is not None:
+            self._aio.abandon()
+
+    def close(self) -> None:
+        """Stop the watch thread, release every waiter (they raise StoreClosedError), fail
+        the RPCs in flight and close the gRPC channels, then shut the executor. Idempotent;
+        returns promptly even if etcd is unresponsive (in-flight calls are cut by closing
+        the channels, then the watch thread is joined)."""
+        forked = getattr(self, "_fork_pid", None) is not None
+        self._closed = True
+        _live.discard(self)
+        if forked:
+            return  # the parent's threads and channels are not ours to touch
         cache = getattr(self, "_cache", None)
         if cache is not None:
             cache.close()
+        watcher = getattr(self, "_watcher", None)
+        if watcher is not None:
+            watcher.stop(timeout=0)  # flag the stop first, so the cut below is no failure
         conn = getattr(self, "_conn", None)
         if conn is not None:
-            conn.close()  # RPCs in flight on the executor fail fast now
-        executor = getattr(self, "_executor", None)
-        if executor is not None:
-            executor.shutdown(wait=True, cancel_futures=True)
+            conn.close()  # RPCs in flight (a resync's reads included) fail fast now
+        if watcher is not None:
+            watcher.stop()
+        aio = getattr(self, "_aio", None)
+        if aio is not None:
+            aio.close()
 
     def __enter__(self) -> EtcdStore:
         return self
@@ -941,28 +591,17 @@ class EtcdStore:
             pass
 
 
-def _absent(key: bytes) -> Any:
-    """A Txn compare: the key does not exist."""
-    return etcdrpc.Compare(key=key, result=etcdrpc.Compare.EQUAL,
-                           target=etcdrpc.Compare.CREATE, create_revision=0)
+class _Timer:
+    """``with`` block observing its duration into a bound histogram child."""
 
+    __slots__ = ("_observe", "_started")
 
-def _unmodified(key: bytes, mod_revision: int) -> Any:
-    """A Txn compare: the key was last modified at ``mod_revision``."""
-    return etcdrpc.Compare(key=key, result=etcdrpc.Compare.EQUAL,
-                           target=etcdrpc.Compare.MOD, mod_revision=mod_revision)
+    def __init__(self, histogram: Any) -> None:
+        self._observe = histogram.observe
+        self._started = 0.0
 
+    def __enter__(self) -> None:
+        self._started = time.perf_counter()
 
-def _parse_int(value: bytes, name: object) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise NotAnIntegerError(
-            f"add() on key {name!r}: its value {value[:40]!r} is not a decimal integer"
-        ) from None
-
-
-def _describe(timeout: Timeout) -> str:
-    if isinstance(timeout, timedelta):
-        return f"{timeout.total_seconds():g} s"
-    return f"{timeout:g} s" if isinstance(timeout, (int, float)) else str(timeout)
+    def __exit__(self, *exc: object) -> None:
+        self._observe(time.perf_counter() - self._started)

@@ -34,7 +34,7 @@ def test_older_events_never_replace_newer_state():
     cache.apply_events([("k", b"old", 7)], 7)
     assert cache.lookup("k")[0] == b"new"
     cache.apply_events([("k", None, 11)], 11)
-    assert cache.lookup("k") == (None, 11, 11)
+    assert cache.lookup("k") == (None, 11, 0)  # absent: mod_revision 0
 
 
 def test_own_write_then_its_event_is_a_no_op():

@@ -1,0 +1,293 @@
+"""Read-through and waiting: what a read does when the cache cannot answer it.
+
+:class:`ReadThrough` reads misses from etcd (linearizable, in as few round trips as etcd
+allows) and reports every answer to the coherence core through its fill protocol
+(``begin`` → read → ``end_fill``); it blocks readers of absent keys on the store's one watch
+(waiters registered with the core, no polling). It holds no coherence state of its own.
+
+Blocking reads are bounded by their own deadline, etcd round trips included: a read-through
+inside a wait never outlasts the wait, and a wait that ends while etcd is unreachable raises
+:class:`~cachedstore.StoreTimeoutError` (its ``__cause__`` says etcd was unreachable).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from datetime import timedelta
+from typing import Any
+
+from . import etcdapi
+from .cache import CoherentCache, Entry
+from .clock import Clock
+from .config import StoreConfig, seconds
+from .connection import Connection
+from .errors import EtcdConnectionError, InvalidTypeError, KeyNotFoundError, StoreTimeoutError
+from .keys import KeySpace
+from .metrics import NullMetrics, StoreMetrics
+from .waiters import ThreadWaiter
+
+__all__ = ["MAX_WAIT", "MISSING", "ReadThrough", "Timeout", "absent", "describe", "names_list"]
+
+Timeout = float | timedelta | None
+#: The longest single wait on an event: longer waits loop (Event.wait overflows past ~2^63 ns).
+MAX_WAIT = 3600.0
+#: While etcd is unreachable, a waiter re-checks at most this often (it is also nudged the
+#: moment the watch is back).
+OUTAGE_RECHECK = 2.0
+
+
+class _Missing:
+    """The type of :data:`MISSING`, the "no default given" marker."""
+
+    _instance: _Missing | None = None
+
+    def __new__(cls) -> _Missing:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+MISSING: Any = _Missing()
+
+
+def names_list(names: Iterable[object], what: str = "names") -> list[Any]:
+    """``names`` as a list; a lone ``str``/``bytes`` (iterable, but surely a mistake) is
+    refused with InvalidTypeError instead of being read character by character."""
+    if isinstance(names, (str, bytes, bytearray, memoryview)):
+        raise InvalidTypeError(f"{what} must be a list of names, not a single "
+                               f"{type(names).__name__} ({names!r:.40}); wrap it in a list")
+    try:
+        return list(names)
+    except TypeError:
+        raise InvalidTypeError(f"{what} must be an iterable of names, not "
+                               f"{type(names).__name__}") from None
+
+
+def absent(name: object, default: Any) -> Any:
+    """The answer for an absent key: ``default``, or KeyNotFoundError without one."""
+    if default is MISSING:
+        raise KeyNotFoundError(name)
+    return default
+
+
+def describe(timeout: Timeout) -> str:
+    if isinstance(timeout, timedelta):
+        return f"{timeout.total_seconds():g} s"
+    return f"{timeout:g} s" if isinstance(timeout, (int, float)) else str(timeout)
+
+
+class ReadThrough:
+    """Misses, blocking reads, ``mget`` and ``check`` of one store. Thread-safe.
+
+    ``after_read`` is a test hook: when set, it is called with the names of every etcd read
+    after etcd answered and before the answer reaches the cache.
+    """
+
+    def __init__(self, conn: Connection, keys: KeySpace, cache: CoherentCache,
+                 config: StoreConfig, metrics: StoreMetrics | NullMetrics, clock: Clock,
+                 check_open: Callable[[], None], stale_allowed: Callable[[], bool]) -> None:
+        self._conn = conn
+        self._keys = keys
+        self._cache = cache
+        self._config = config
+        self._metrics = metrics
+        self._clock = clock
+        self._check_open = check_open
+        self._stale_allowed = stale_allowed
+        self.after_read: Callable[[Sequence[str]], None] | None = None
+
+    # -- deadlines ---------------------------------------------------------------------------
+    def deadline(self, wait: float | None) -> float | None:
+        """The deadline of a wait of ``wait`` seconds (None: not blocking)."""
+        return None if wait is None else self._clock.monotonic() + wait
+
+    def _call_deadline(self, deadline: float | None) -> float:
+        """An etcd round trip's deadline: the request timeout, cut to the wait's deadline."""
+        own = self._clock.monotonic() + self._config.request_timeout
+        return own if deadline is None else min(own, deadline)
+
+    # -- what the cache may answer -------------------------------------------------------------
+    def cached(self, canonical: str, blocking: bool = False) -> Entry | None:
+        """The entry to serve for a canonical name, or None: read etcd.
+
+        ``blocking``: the caller will wait if the key is absent; then a complete cache's
+        "not here, so absent" is answer enough (the watch will deliver the key). A
+        non-blocking read of a key the cache never held still asks etcd, so that a key
+        written just before (in real time) is found even if the watch is a moment behind.
+        While the watch is down, ``max_staleness`` may allow the entry anyway (counted)."""
+        cache = self._cache
+        entry = cache.lookup_or_absent(canonical) if blocking else cache.lookup(canonical)
+        if entry is not None or not self._stale_allowed():
+            return entry
+        entry = cache.peek(canonical)
+        if entry is not None:
+            self._metrics.stale_reads.inc()
+        return entry
+
+    # -- etcd reads ---------------------------------------------------------------------------
+    def fetch(self, names: Sequence[str], deadline: float | None = None
+              ) -> dict[str, bytes | None]:
+        """Read ``names`` from etcd in Txns of up to ``max_txn_ops`` ranges and fill the
+        cache through the core's gate. Returns name → value or None (absent). Each round
+        trip is bounded by the request timeout and by ``deadline``."""
+        out: dict[str, bytes | None] = {}
+        batch = self._config.max_txn_ops
+        cache = self._cache
+        for start in range(0, len(names), batch):
+            chunk = names[start:start + batch]
+            ticket = cache.begin(chunk)
+            results: dict[str, tuple[bytes | None, int]] | None = None
+            revision = 0
+            try:
+                results, revision = self._read(chunk, self._call_deadline(deadline))
+                if self.after_read is not None:
+                    self.after_read(chunk)
+            finally:
+                dropped = cache.end_fill(chunk, ticket, results, revision)
+            assert results is not None
+            for name in chunk:
+                value = results.get(name, (None, 0))[0]
+                if dropped:
+                    # The gate refused this read because a newer update of the key was
+                    # applied meanwhile: answer with that newer state, not the older read.
+                    newer = cache.peek(name)
+                    if newer is not None and newer[1] > revision:
+                        value = newer[0]
+                out[name] = value
+        return out
+
+    def _read(self, names: Sequence[str], deadline: float
+              ) -> tuple[dict[str, tuple[bytes | None, int]], int]:
+        key = self._keys.key
+        if len(names) == 1:
+            response = self._conn.call("range", etcdapi.range_key(key(names[0])),
+                                       deadline=deadline)
+            kvs = [response.kvs]
+        else:
+            request = etcdapi.txn(success=[etcdapi.op_range(etcdapi.range_key(key(n)))
+                                           for n in names])
+            response = self._conn.call("txn", request, deadline=deadline)
+            kvs = [r.response_range.kvs for r in response.responses]
+        results = {}
+        for name, found in zip(names, kvs, strict=True):
+            if found:
+                results[name] = (found[0].value, found[0].mod_revision)
+        return results, response.header.revision
+
+    def resolve(self, names: Iterable[str], blocking: bool = False,
+                deadline: float | None = None) -> tuple[dict[str, bytes | None], int]:
+        """Values of canonical ``names``: served entries first, the rest read from etcd in
+        batches. Returns (name → value or None, number served from the cache)."""
+        values: dict[str, bytes | None] = {}
+        misses = []
+        n = 0
+        for name in names:
+            n += 1
+            entry = self.cached(name, blocking)
+            if entry is None:
+                misses.append(name)
+            else:
+                values[name] = entry[0]
+        if misses:
+            values.update(self.fetch(misses, deadline))
+        return values, n - len(misses)
+
+    # -- blocking ------------------------------------------------------------------------------
+    def wait_for(self, name: str, deadline: float, timeout: Timeout) -> bytes:
+        """Block until ``name`` exists (woken by the watch) and return its value; raise
+        StoreTimeoutError at ``deadline``, also when etcd is unreachable until then."""
+        waiter = ThreadWaiter()
+        cache = self._cache
+        cache.add_waiter(name, waiter)
+        outage: EtcdConnectionError | None = None
+        try:
+            while True:
+                self._check_open()
+                remaining = deadline - self._clock.monotonic()
+                entry = cache.lookup_or_absent(name)
+                if entry is not None:
+                    value = entry[0]
+                elif remaining <= 0 and outage is not None:
+                    value = None
+                else:
+                    try:
+                        value = self.fetch([name], deadline).get(name)
+                        outage = None
+                    except EtcdConnectionError as exc:
+                        value, outage = None, exc
+                if value is not None:
+                    return value
+                remaining = deadline - self._clock.monotonic()
+                if remaining <= 0:
+                    raise StoreTimeoutError(
+                        f"timed out after {describe(timeout)} waiting for key {name!r}"
+                        + (" (etcd unreachable)" if outage is not None else "")
+                    ) from outage
+                pause = min(remaining, OUTAGE_RECHECK if outage is not None else MAX_WAIT)
+                self._clock.wait(waiter.event, pause)
+                value = waiter.take()
+                if value is not None:
+                    return value
+        finally:
+            cache.remove_waiter(name, waiter)
+
+    # -- get / mget / check past the hot path --------------------------------------------------
+    def get(self, op: str, name: object, default: Any, timeout: Timeout) -> Any:
+        """``get`` of a name the hot path could not serve: bytes names, misses, absent keys,
+        blocking."""
+        canonical = self._keys.canonical(name)
+        wait = seconds(timeout)
+        self._check_open()
+        entry = self.cached(canonical, blocking=wait is not None)
+        (self._metrics.hit if entry is not None else self._metrics.miss)[op].inc()
+        deadline = self.deadline(wait)
+        value = None
+        if entry is not None:
+            value = entry[0]
+        elif deadline is None:
+            value = self.fetch([canonical]).get(canonical)
+        if value is None and deadline is not None:
+            try:
+                value = self.wait_for(canonical, deadline, timeout)
+            except StoreTimeoutError:
+                if default is MISSING:
+                    raise
+        return value if value is not None else absent(name, default)
+
+    def mget(self, op: str, names: list[Any], default: Any, timeout: Timeout,
+             first: list[Any], pending: list[int]) -> list[Any]:
+        """Finish an ``mget`` whose hot path served every name but those at ``pending``
+        (``first`` holds the served values)."""
+        wait = seconds(timeout)
+        self._check_open()
+        canonical = {i: self._keys.canonical(names[i]) for i in pending}
+        deadline = self.deadline(wait)
+        values, hits = self.resolve(set(canonical.values()), wait is not None, deadline)
+        self._metrics.hit[op].inc(len(names) - len(pending) + hits)
+        self._metrics.miss[op].inc(len(pending) - hits)
+        for i in pending:
+            name = canonical[i]
+            value = values.get(name)
+            if value is None and deadline is not None:
+                try:
+                    value = values[name] = self.wait_for(name, deadline, timeout)
+                except StoreTimeoutError:
+                    if default is MISSING:
+                        raise
+            if value is None:
+                if default is MISSING:
+                    raise KeyNotFoundError(names[i])
+                value = default
+            first[i] = value
+        return first
+
+    def check(self, names: Iterable[object]) -> bool:
+        self._check_open()
+        canonical = {self._keys.canonical(n) for n in names_list(names)}
+        values, hits = self.resolve(canonical)
+        self._metrics.hit["check"].inc(hits)
+        self._metrics.miss["check"].inc(len(canonical) - hits)
+        return all(v is not None for v in values.values())
