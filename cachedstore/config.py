@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -48,7 +49,18 @@ class Backoff:
     jitter: float = 0.5
 
     def delay(self, attempt: int, rng: random.Random | None = None) -> float:
-        base = min(self.maximum, self.initial * self.multiplier ** max(0, attempt))
+        """The wait before retry ``attempt``; any attempt number works, however large (the
+        exponent is capped once the cap is reached, so it never overflows)."""
+        steps = max(0, attempt)
+        if self.multiplier > 1 and 0 < self.initial < self.maximum:
+            # Past this many steps the cap holds anyway: never raise to a huge power.
+            steps = min(steps, math.ceil(math.log(self.maximum / self.initial,
+                                                  self.multiplier)))
+        try:
+            grown = self.initial * self.multiplier ** min(steps, 64)
+        except OverflowError:
+            grown = self.maximum
+        base = min(self.maximum, grown)
         draw = (rng or random).random()
         return base * (1.0 - self.jitter * draw)
 

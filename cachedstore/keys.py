@@ -1,10 +1,13 @@
 """Names, values and prefixes: validation and the mapping between them and etcd keys.
 
 A *name* is what the user passes (``str`` or ``bytes``), relative to the store's prefix. Its
-*canonical* form, used as the cache key, is a ``str``: a ``str`` name is its own canonical
-form (so a hit on a ``str`` name allocates nothing), and ``bytes`` are decoded as UTF-8 with
-``surrogateescape``, which maps every byte string to a distinct ``str`` and back. The etcd
-key is ``prefix + canonical.encode("utf-8", "surrogateescape")``.
+*canonical* form, used as the cache key, is a ``str``: the etcd key's bytes decoded as UTF-8
+with ``surrogateescape``, which maps every byte string to exactly one ``str`` and back. So
+every spelling of a name that maps to the same etcd key (``b"\xc3\xa9"``, ``"é"`` and
+``"\udcc3\udca9"``) has one cache entry, the one the watch invalidates. The cache holds only
+canonical names, so a hit on a canonical ``str`` name allocates nothing; any other spelling
+misses the hot path and is canonicalised on the slow path. The etcd key is
+``prefix + canonical.encode("utf-8", "surrogateescape")``.
 """
 
 from __future__ import annotations
@@ -60,7 +63,12 @@ class KeySpace:
     def canonical(self, name: object) -> str:
         """The cache key of ``name``; raises InvalidTypeError/InvalidInputError on bad input."""
         if type(name) is str:
-            canonical = name
+            try:
+                raw = name.encode("utf-8", "surrogateescape")
+            except UnicodeEncodeError as exc:
+                raise InvalidInputError(
+                    f"key name is not encodable as UTF-8: {exc.reason}") from None
+            canonical = name if name.isascii() else raw.decode("utf-8", "surrogateescape")
         elif isinstance(name, (bytes, bytearray, memoryview)):
             canonical = bytes(name).decode("utf-8", "surrogateescape")
         else:
