@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 from . import errors
 
@@ -322,7 +322,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
             stop.wait()  # keep the send side open until we are done
 
         _, endpoint = conn.endpoint()
-        call = endpoint.watch.Watch(requests(), metadata=conn.metadata())
+        call = cast(Any, endpoint).watch.Watch(requests(), metadata=conn.metadata())
         timed_out = threading.Event()
 
         def expire() -> None:
@@ -470,7 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
             description: str, parents: Sequence[argparse.ArgumentParser] = ()
             ) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=description,
-                           parents=list(parents), formatter_class=formatter,
+                           parents=list(cast(Sequence[_Parser], parents)), formatter_class=formatter,
                            epilog=EXIT_CODES_HELP + ("\n" + ENV_HELP if parents else ""))
         p.set_defaults(func=func)
         return p
@@ -626,7 +626,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     prog = f"cachedstore {args.command}"
-    previous: list[tuple[int, Any]] = []
+    previous: list[tuple[signal.Signals, Any]] = []
     if args.command in ("demo", "etcd", "watch") and \
             threading.current_thread() is threading.main_thread():
         # Ctrl-C must work even when started with SIGINT ignored (a background job), and

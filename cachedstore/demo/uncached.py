@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from etcd3 import etcdrpc
@@ -155,7 +155,7 @@ class UncachedClient:
         self.watch_streams += 1
         started = time.perf_counter()
         code = "ok"
-        call = endpoint.watch.Watch(requests(), timeout=remaining,
+        call = cast(Any, endpoint).watch.Watch(requests(), timeout=remaining,
                                     metadata=self._conn.metadata())
         try:
             for response in call:
