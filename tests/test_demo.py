@@ -43,7 +43,7 @@ def check_summary(summary: dict[str, Any], workers: int, rounds: int, hot: int) 
     ops = workers * rounds * (4 + hot) + 1 + rounds  # + the config write, + one "done"/round
     assert cached["operations"] == uncached["operations"] == ops
     assert cached["reads"] == uncached["reads"] == workers * rounds * (workers + 1 + hot)
-    assert 0 < cached["hit_ratio"] <= 1 and uncached["hit_ratio"] == 0
+    assert 0 < cached["hit_ratio"] <= 1 and uncached["hit_ratio"] is None
     assert cached["cache_hits"] + cached["cache_misses"] == cached["reads"]
     for phase in (cached, uncached):
         assert 0 < phase["hot_read_p50_us"] <= phase["hot_read_p99_us"]
@@ -106,7 +106,7 @@ def test_render_table_from_json_summary() -> None:
              "etcd_requests_server": None}
     summary = {"workers": 1, "rounds": 1, "hot_reads_per_round": 1,
                "etcd": {"version": "3.5.1"}, "cached": phase,
-               "uncached": dict(phase, hit_ratio=0.0, etcd_requests_client=40),
+               "uncached": dict(phase, hit_ratio=None, etcd_requests_client=40),
                "reduction": {"etcd_requests_client": 4.0, "etcd_requests_server": None,
                              "hot_read_p50": 1.0, "wall_time": 1.0}}
     console = Console(record=True, width=120)
