@@ -19,32 +19,23 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NoReturn, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 from . import errors
+from .console import (
+    EXIT_CODES_HELP,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    CommandError,
+    exit_code_for,
+    one_line,
+)
 
-__all__ = ["EXIT_CODES_HELP", "exit_code_for", "main", "one_line"]
+if TYPE_CHECKING:
+    from .client import EtcdClient
 
-EXIT_OK = 0
-EXIT_NOT_FOUND = 1
-EXIT_USAGE = 2
-EXIT_UNREACHABLE = 3
-EXIT_PERMISSION = 4
-EXIT_TIMEOUT = 5
-EXIT_ETCD_ERROR = 6
-EXIT_INTERRUPTED = 130
-
-EXIT_CODES_HELP = """\
-exit codes:
-  0    success
-  1    key not found (get, delete)
-  2    usage error: bad arguments or invalid input
-  3    etcd unreachable, TLS handshake failed, or etcd could not be started
-  4    permission denied or authentication failed
-  5    timed out (get --timeout, watch --count with --timeout, a stuck demo)
-  6    any other error (reported by etcd, or a failed demo worker)
-  130  interrupted (Ctrl-C) -- except watch and etcd, where Ctrl-C is how you stop them
-"""
+__all__ = ["EXIT_CODES_HELP", "build_parser", "main"]
 
 ENV_HELP = """\
 environment (flags win):
@@ -59,49 +50,11 @@ DEFAULT_ENDPOINTS = "127.0.0.1:2379"
 DEFAULT_DIAL_TIMEOUT = 5.0
 
 
-def exit_code_for(exc: BaseException) -> int:
-    """The exit code for an exception (see :data:`EXIT_CODES_HELP`)."""
-    from .server import EtcdNotFoundError, EtcdStartError
-
-    demo_error = _demo_error_type()
-    if demo_error is not None and isinstance(exc, demo_error):
-        return int(exc.exit_code)
-    if isinstance(exc, KeyboardInterrupt):
-        return EXIT_INTERRUPTED
-    if isinstance(exc, errors.KeyNotFoundError):
-        return EXIT_NOT_FOUND
-    if isinstance(exc, (errors.InvalidInputError, errors.InvalidTypeError, _UsageError)):
-        return EXIT_USAGE
-    if isinstance(exc, errors.EtcdPermissionError):
-        return EXIT_PERMISSION
-    if isinstance(exc, (errors.EtcdConnectionError, EtcdNotFoundError, EtcdStartError)):
-        return EXIT_UNREACHABLE
-    if isinstance(exc, errors.StoreTimeoutError):
-        return EXIT_TIMEOUT
-    return EXIT_ETCD_ERROR
-
-
-def _demo_error_type() -> type[Any] | None:
-    module = sys.modules.get("cachedstore.demo")
-    return getattr(module, "DemoError", None)
-
-
-def one_line(exc: BaseException) -> str:
-    """``str(exc)`` on one line: the first line (etcd start errors append a log tail), with
-    the last line of that tail when there is one, whitespace collapsed, at most 500 chars."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    if not lines:
-        return type(exc).__name__
-    text = lines[0]
-    tail = [line for line in lines[1:] if not line.startswith("---")]
-    if tail and getattr(exc, "log_tail", None):
-        text += f" [etcd log: {tail[-1][:200]}]"
-    text = " ".join(text.split())
-    return text if len(text) <= 500 else text[:497] + "..."
-
-
-class _UsageError(Exception):
+class _UsageError(CommandError):
     """A usage error found after parsing (exit code 2)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, EXIT_USAGE)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -192,14 +145,22 @@ def _endpoints(text: str) -> list[str]:
     return endpoints
 
 
-def _open_store(args: argparse.Namespace) -> Any:
-    """An EtcdStore from the connection flags (blocks up to --dial-timeout)."""
-    from .store import EtcdStore
+def _config(args: argparse.Namespace) -> Any:
+    """The StoreConfig of the connection flags (--dial-timeout bounds connect and requests)."""
+    from .config import StoreConfig
 
-    return EtcdStore(endpoints=_endpoints(args.endpoints), prefix=args.prefix,
-                     ca_cert=args.cacert, cert_cert=args.cert, cert_key=args.cert_key,
-                     user=args.user, password=args.password,
-                     connect_timeout=args.dial_timeout, request_timeout=args.dial_timeout)
+    return StoreConfig().with_overrides(connect_timeout=args.dial_timeout,
+                                        request_timeout=args.dial_timeout)
+
+
+def _open_client(args: argparse.Namespace, metrics: Any = None) -> EtcdClient:
+    """A plain :class:`~cachedstore.client.EtcdClient` from the connection flags: no cache,
+    no preload of the prefix, no watch. Blocks up to --dial-timeout while it authenticates."""
+    from .client import EtcdClient
+    from .metrics import NullMetrics
+
+    return EtcdClient(_endpoints(args.endpoints), _credentials(args), _config(args),
+                      NullMetrics() if metrics is None else metrics, args.prefix)
 
 
 def _text(value: bytes) -> str:
@@ -215,8 +176,8 @@ def _print_json(obj: Any) -> None:
 
 
 def cmd_get(args: argparse.Namespace) -> int:
-    with _open_store(args) as store:
-        value = store.get(args.name, timeout=args.timeout)
+    with _open_client(args) as client:
+        value = client.get(args.name, timeout=args.timeout)
     if args.json:
         _print_json({"name": args.name, "value": _text(value)})
     else:
@@ -227,8 +188,8 @@ def cmd_get(args: argparse.Namespace) -> int:
 
 def cmd_set(args: argparse.Namespace) -> int:
     value = sys.stdin.buffer.read() if args.value == "-" else args.value.encode()
-    with _open_store(args) as store:
-        store.set(args.name, value)
+    with _open_client(args) as client:
+        client.set(args.name, value)
     if args.json:
         _print_json({"name": args.name, "ok": True})
     else:
@@ -237,8 +198,8 @@ def cmd_set(args: argparse.Namespace) -> int:
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
-    with _open_store(args) as store:
-        existed = store.delete(args.name)
+    with _open_client(args) as client:
+        existed = client.delete(args.name)
     if args.json:
         _print_json({"name": args.name, "deleted": existed})
     if not existed:
@@ -249,22 +210,23 @@ def cmd_delete(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from .demo import UncachedClient
+    from prometheus_client import CollectorRegistry
 
-    with _open_store(args) as store:
-        keys = store.num_keys()
-        stats = store.stats()
-        rpcs: dict[str, int] = {}
-        for family in store.registry.collect():
-            for sample in family.samples:
-                if sample.name == "cachedstore_etcd_requests_total" and sample.value:
-                    label = f"{sample.labels['method']}:{sample.labels['code']}"
-                    rpcs[label] = rpcs.get(label, 0) + int(sample.value)
-        with UncachedClient(_endpoints(args.endpoints), _credentials(args),
-                            store.config, store.metrics, args.prefix) as client:
-            status = client.status()
+    from .metrics import StoreMetrics
+
+    registry = CollectorRegistry()
+    with _open_client(args, StoreMetrics(registry)) as client:
+        keys = client.count()
+        status = client.status()
+    rpcs: dict[str, int] = {}
+    for family in registry.collect():
+        for sample in family.samples:
+            if sample.name == "cachedstore_etcd_requests_total" and sample.value:
+                label = f"{sample.labels['method']}:{sample.labels['code']}"
+                rpcs[label] = rpcs.get(label, 0) + int(sample.value)
     report = {
-        "store": stats,
+        "prefix": args.prefix,
+        "endpoints": _endpoints(args.endpoints),
         "keys_under_prefix": keys,
         "etcd": {"version": status.version, "db_size_bytes": status.dbSize,
                  "leader": status.leader, "member_id": status.header.member_id,
@@ -275,8 +237,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         _print_json(report)
         return EXIT_OK
     width = 26
-    for key, value in stats.items():
-        print(f"{key:<{width}} {value}")
+    print(f"{'prefix':<{width}} {args.prefix or '(none)'}")
     print(f"{'keys under prefix':<{width}} {keys}")
     for key, value in report["etcd"].items():
         print(f"{'etcd ' + key:<{width}} {value}")
@@ -532,8 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_argument("--json", action="store_true", help="one JSON object per event")
 
     stats = add("stats", cmd_stats, "print store and etcd statistics",
-                "Open a store on --prefix and print its stats(), the number of keys under "
-                "the prefix, etcd's status and the requests this command made.", [conn])
+                "Print the number of keys under --prefix, etcd's status and the requests "
+                "this command made (two).", [conn])
     stats.add_argument("--json", action="store_true", help="print the statistics as JSON")
 
     etcd = add("etcd", cmd_etcd, "run a local development etcd in the foreground",
@@ -655,12 +616,6 @@ def _run(args: argparse.Namespace, prog: str) -> int:
         with contextlib.suppress(OSError):
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the final flush
         return EXIT_OK
-    except (errors.CachedStoreError, _UsageError, OSError) as exc:
+    except (errors.CachedStoreError, CommandError, OSError) as exc:
         print(f"{prog}: error: {one_line(exc)}", file=sys.stderr, flush=True)
         return exit_code_for(exc)
-    except Exception as exc:
-        demo_error = _demo_error_type()
-        if demo_error is not None and isinstance(exc, demo_error):
-            print(f"{prog}: error: {one_line(exc)}", file=sys.stderr, flush=True)
-            return exit_code_for(exc)
-        raise

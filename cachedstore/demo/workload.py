@@ -126,7 +126,7 @@ def worker_main(spec: WorkerSpec, go: Sequence[Any], abort: Any, out: Any) -> No
                     return
             out.put(("done", spec.rank, run_phase(mode, spec, registry, out.put)))
     except BaseException as exc:  # reported to the parent, which prints one line
-        from ..cli import exit_code_for, one_line
+        from ..console import exit_code_for, one_line
 
         out.put(("error", spec.rank, (exit_code_for(exc), one_line(exc))))
     finally:
