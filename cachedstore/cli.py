@@ -9,12 +9,15 @@ script's entry point and ``python -m cachedstore`` runs it too.
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
+import errno
 import getpass
 import json
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -167,9 +170,60 @@ def _text(value: bytes) -> str:
     return value.decode("utf-8", "backslashreplace")
 
 
+def _json_bytes(field: str, data: bytes) -> dict[str, str]:
+    """``{field: text}`` when ``data`` is UTF-8, else ``{field + "_base64": base64}`` (the
+    encoding ``etcdctl -w json`` uses for keys and values)."""
+    try:
+        return {field: data.decode("utf-8")}
+    except UnicodeDecodeError:
+        return {field + "_base64": base64.b64encode(data).decode("ascii")}
+
+
+def _json_name(name: str) -> dict[str, str]:
+    """A key name for JSON: as text, or base64 when it is not UTF-8 (bytes from argv)."""
+    return _json_bytes("name", name.encode("utf-8", "surrogateescape"))
+
+
 def _print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, sort_keys=False) + "\n")
     sys.stdout.flush()
+
+
+def _check_tls_files(args: argparse.Namespace) -> None:
+    """Raise a usage error naming the flag when a TLS file is unreadable, not PEM, or when
+    --cert and --key do not come together or do not match. Blocks only to read the files."""
+    import ssl
+
+    def load(flag: str, path: str, action: Callable[[ssl.SSLContext], object], what: str
+             ) -> None:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        try:
+            action(context)
+        except ssl.SSLError:
+            raise _UsageError(f"{flag}: {path} is {what}") from None
+        except OSError as exc:
+            raise _UsageError(f"{flag}: cannot read TLS file {exc.filename or path} "
+                              f"({exc.strerror})") from None
+
+    if (args.cert is None) != (args.cert_key is None):
+        raise _UsageError("--cert and --key go together: give both or neither")
+    if args.cacert is not None:
+        load("--cacert", args.cacert,
+             lambda c: c.load_verify_locations(cafile=args.cacert), "not a PEM certificate")
+    if args.cert is not None:
+        load("--cert", args.cert,
+             lambda c: c.load_verify_locations(cafile=args.cert), "not a PEM certificate")
+        load("--key", args.cert_key,
+             lambda c: c.load_cert_chain(args.cert, args.cert_key, password=lambda: b""),
+             "not the unencrypted PEM private key of --cert")
+
+
+def _warn_prefix(args: argparse.Namespace, prog: str) -> None:
+    """One warning line when --prefix does not end with '/' (names run into it)."""
+    prefix = getattr(args, "prefix", "")
+    if prefix and not prefix.endswith("/"):
+        print(f"{prog}: warning: --prefix {prefix!r} does not end with '/': the name "
+              f"'k' is the key '{prefix}k'", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------- commands
@@ -177,11 +231,17 @@ def _print_json(obj: Any) -> None:
 
 def cmd_get(args: argparse.Namespace) -> int:
     with _open_client(args) as client:
-        value = client.get(args.name, timeout=args.timeout)
+        try:
+            kv = client.get_kv(args.name, timeout=args.timeout)
+        except (errors.KeyNotFoundError, errors.StoreTimeoutError):
+            if args.json:
+                _print_json({**_json_name(args.name), "found": False})
+            raise
     if args.json:
-        _print_json({"name": args.name, "value": _text(value)})
+        _print_json({**_json_name(args.name), "found": True, **_json_bytes("value", kv.value),
+                     "mod_revision": kv.mod_revision, "version": kv.version})
     else:
-        sys.stdout.buffer.write(value + b"\n")
+        sys.stdout.buffer.write(kv.value if args.raw else kv.value + b"\n")
         sys.stdout.flush()
     return EXIT_OK
 
@@ -189,9 +249,9 @@ def cmd_get(args: argparse.Namespace) -> int:
 def cmd_set(args: argparse.Namespace) -> int:
     value = sys.stdin.buffer.read() if args.value == "-" else args.value.encode()
     with _open_client(args) as client:
-        client.set(args.name, value)
+        revision = client.set(args.name, value)
     if args.json:
-        _print_json({"name": args.name, "ok": True})
+        _print_json({**_json_name(args.name), "ok": True, "revision": revision})
     else:
         print("OK")
     return EXIT_OK
@@ -201,7 +261,7 @@ def cmd_delete(args: argparse.Namespace) -> int:
     with _open_client(args) as client:
         existed = client.delete(args.name)
     if args.json:
-        _print_json({"name": args.name, "deleted": existed})
+        _print_json({**_json_name(args.name), "deleted": existed})
     if not existed:
         raise errors.KeyNotFoundError(args.name)
     if not args.json:
@@ -236,13 +296,22 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(report)
         return EXIT_OK
-    width = 26
-    print(f"{'prefix':<{width}} {args.prefix or '(none)'}")
-    print(f"{'keys under prefix':<{width}} {keys}")
-    for key, value in report["etcd"].items():
-        print(f"{'etcd ' + key:<{width}} {value}")
-    print(f"{'etcd requests made':<{width}} "
-          + ", ".join(f"{k}={v}" for k, v in sorted(rpcs.items())))
+    etcd = report["etcd"]
+    rows = [
+        ("prefix", args.prefix or "(none: the whole keyspace)"),
+        ("endpoints", ", ".join(report["endpoints"])),
+        ("keys under prefix", f"{keys:,}"),
+        ("etcd version", etcd["version"]),
+        ("etcd db size", f"{etcd['db_size_bytes']:,} bytes"),
+        ("etcd member id", f"{etcd['member_id']:x}"),
+        ("etcd leader", f"{etcd['leader']:x}"),
+        ("etcd raft term", str(etcd["raft_term"])),
+        ("etcd revision", str(etcd["revision"])),
+        ("etcd requests made", ", ".join(f"{k}={v}" for k, v in sorted(rpcs.items()))),
+    ]
+    width = max(len(label) for label, _ in rows) + 2
+    for label, value in rows:
+        print(f"{label:<{width}}{value}")
     return EXIT_OK
 
 
@@ -334,9 +403,10 @@ def _print_event(event: Any, keys: Any, as_json: bool) -> None:
     name = _text(event.kv.key) if name is None else name
     kind = "PUT" if event.type == 0 else "DELETE"
     if as_json:
-        record = {"type": kind, "name": name, "revision": event.kv.mod_revision}
+        record: dict[str, Any] = {"type": kind, **_json_name(name),
+                                  "revision": event.kv.mod_revision}
         if kind == "PUT":
-            record["value"] = _text(event.kv.value)
+            record.update(_json_bytes("value", event.kv.value))
         print(json.dumps(record), flush=True)
     elif kind == "PUT":
         print(f"PUT {name} {_text(event.kv.value)}", flush=True)
@@ -346,17 +416,13 @@ def _print_event(event: Any, keys: Any, as_json: bool) -> None:
 
 def cmd_etcd(args: argparse.Namespace) -> int:
     """Run a development etcd in the foreground until Ctrl-C."""
-    import socket
-
     from .server import LocalEtcd
 
     with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as sock:
         try:
             sock.bind((args.host, args.port))
         except OSError as exc:
-            raise errors.EtcdConnectionError(
-                f"cannot start etcd: {args.host}:{args.port} is not available "
-                f"({exc.strerror}); pick another --port") from None
+            raise errors.EtcdConnectionError(_bind_failure(args.host, args.port, exc)) from None
     etcd = LocalEtcd(host=args.host, client_port=args.port, data_dir=args.data_dir,
                      name="cachedstore-dev", log_level=args.log_level)
     try:
@@ -384,6 +450,17 @@ def cmd_etcd(args: argparse.Namespace) -> int:
         raise errors.EtcdConnectionError(f"etcd exited unexpectedly{tail}")
     finally:
         etcd.close()
+
+
+def _bind_failure(host: str, port: int, exc: OSError) -> str:
+    """Why ``cachedstore etcd`` cannot listen on host:port, naming the flag to change."""
+    if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+        return (f"cannot start etcd: {host}:{port} is not available ({exc.strerror}); "
+                f"pick another --port")
+    if isinstance(exc, socket.gaierror):
+        return f"cannot start etcd: --host {host}: {exc.strerror}"
+    return (f"cannot start etcd: --host {host} is not an address of this machine "
+            f"({exc.strerror})")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -433,7 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=description,
                            parents=list(cast(Sequence[_Parser], parents)), formatter_class=formatter,
                            epilog=EXIT_CODES_HELP + ("\n" + ENV_HELP if parents else ""))
-        p.set_defaults(func=func)
+        p.set_defaults(func=func, subparser=p)
         return p
 
     demo = add("demo", cmd_demo, "simulate a high-fan-out job, cached vs. uncached",
@@ -462,12 +539,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_security_flags(demo)
 
     get = add("get", cmd_get, "print the value of a key",
-              "Print the value of NAME (under --prefix) followed by a newline.", [conn])
+              "Print the value of NAME (under --prefix) followed by a newline (--raw: "
+              "exactly the stored bytes).", [conn])
     get.add_argument("name")
     get.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS",
                      help="if the key is absent, wait up to SECONDS for it to be created "
                           "(exit 5 if it is not)")
-    get.add_argument("--json", action="store_true", help='print {"name", "value"} as JSON')
+    output = get.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true",
+                        help='print {"name", "found", "value", "mod_revision", "version"} as '
+                             'JSON, also when the key is absent ("found": false); a value that '
+                             'is not UTF-8 is "value_base64" instead of "value"')
+    output.add_argument("--raw", action="store_true",
+                        help="print the value byte for byte, without the trailing newline")
 
     set_ = add("set", cmd_set, "write a key", "Write VALUE under NAME ('-' reads stdin).",
                [conn])
@@ -580,7 +664,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     with it). Never lets an exception escape as a traceback, except for bugs."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # reported by the subcommand's parser, so the message names it
+            cast(argparse.ArgumentParser, getattr(args, "subparser", parser)).error(
+                f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exc:  # --help, --version, usage errors
         return int(exc.code or 0) if not isinstance(exc.code, str) else EXIT_USAGE
     if args.command is None:
@@ -606,6 +693,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace, prog: str) -> int:
     """Run the parsed command; every expected failure becomes one stderr line and a code."""
     try:
+        _warn_prefix(args, prog)
+        if hasattr(args, "cacert"):
+            _check_tls_files(args)
         if hasattr(args, "user"):  # resolve (or prompt for) the password once
             args.password = _password(args)
         return int(args.func(args))
