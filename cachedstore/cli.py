@@ -438,8 +438,9 @@ def cmd_etcd(args: argparse.Namespace) -> int:
         try:
             while etcd.running:
                 time.sleep(0.2)
-        except KeyboardInterrupt:
-            print("stopping etcd", file=sys.stderr, flush=True)
+        except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP
+            with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+                print("stopping etcd", file=sys.stderr, flush=True)
             return EXIT_OK
         tail = ""
         try:
@@ -678,9 +679,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in ("demo", "etcd", "watch") and \
             threading.current_thread() is threading.main_thread():
         # Ctrl-C must work even when started with SIGINT ignored (a background job), and
-        # SIGTERM cleans up like it: a throw-away etcd must not outlive us.
+        # SIGTERM and SIGHUP (the terminal closed) clean up like it: a throw-away etcd
+        # must not outlive us.
         for signum, handler in ((signal.SIGINT, signal.default_int_handler),
-                                (signal.SIGTERM, _raise_interrupt)):
+                                (signal.SIGTERM, _raise_interrupt),
+                                (signal.SIGHUP, _raise_interrupt)):
             previous.append((signum, signal.signal(signum, handler)))
     try:
         with _without_grpc_logs():
@@ -700,7 +703,8 @@ def _run(args: argparse.Namespace, prog: str) -> int:
             args.password = _password(args)
         return int(args.func(args))
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+            print(f"{prog}: interrupted", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     except BrokenPipeError:  # `cachedstore watch | head`
         with contextlib.suppress(OSError):
