@@ -604,18 +604,15 @@ _GRPC_LOG_LINE = re.compile(rb"^(?:[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\
 
 @contextlib.contextmanager
 def _without_grpc_logs() -> Iterator[None]:
-    """Keep gRPC's C-core log lines off stderr while a command runs.
+    """Keep gRPC's C-core log lines off stderr while a command runs (the fallback for when
+    ``GRPC_VERBOSITY`` came too late, see :func:`_quiet_grpc`; never used in a terminal).
 
     gRPC writes lines such as TLS handshake failures straight to file descriptor 2, one per
-    reconnect attempt, which would bury the one-line error. ``GRPC_VERBOSITY`` would silence
-    them but is read when grpc is imported, i.e. before any command runs. So fd 2 is routed
-    through a pipe whose reader thread drops lines in gRPC's log format and forwards all
-    others, in order. Does nothing when ``GRPC_VERBOSITY`` is set (the user wants the logs)
-    or fd 2 cannot be duplicated. Blocks on exit for at most 2 s while the reader drains.
+    reconnect attempt, which would bury the one-line error. fd 2 is routed through a pipe
+    whose reader thread drops lines in gRPC's log format and forwards all others, in order.
+    Does nothing when fd 2 cannot be duplicated. Blocks on exit for at most 2 s while the
+    reader drains.
     """
-    if os.environ.get("GRPC_VERBOSITY"):
-        yield
-        return
     try:
         sys.stderr.flush()
         saved = os.dup(2)
@@ -656,6 +653,26 @@ def _without_grpc_logs() -> Iterator[None]:
             os.close(saved)
 
 
+def _quiet_grpc() -> bool:
+    """Silence gRPC's C-core logging (TLS handshake failures, reconnect attempts written
+    straight to fd 2) without touching stderr: ``GRPC_VERBOSITY=NONE`` in the environment,
+    unless the user chose a level. Spawned processes (the demo's workers) inherit it.
+
+    gRPC reads the variable when it is first imported, so returns whether it takes effect
+    in this process: True when the user chose the level or grpc is not imported yet."""
+    if os.environ.get("GRPC_VERBOSITY"):
+        return True
+    os.environ["GRPC_VERBOSITY"] = "NONE"
+    return "grpc" not in sys.modules
+
+
+def _stderr_is_a_terminal() -> bool:
+    try:
+        return os.isatty(2)
+    except OSError:
+        return False
+
+
 def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
@@ -685,12 +702,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 (signal.SIGTERM, _raise_interrupt),
                                 (signal.SIGHUP, _raise_interrupt)):
             previous.append((signum, signal.signal(signum, handler)))
+    verbosity = os.environ.get("GRPC_VERBOSITY")
+    silenced = _quiet_grpc()
+    # Fallback while grpc was imported before the variable could take effect: filter fd 2,
+    # but never in a terminal, where rich must see the TTY to draw progress.
+    filtered = not silenced and not _stderr_is_a_terminal()
     try:
-        with _without_grpc_logs():
+        with _without_grpc_logs() if filtered else contextlib.nullcontext():
             return _run(args, prog)
     finally:
         for signum, handler in previous:
             signal.signal(signum, handler)
+        if verbosity is None:  # main() may run in-process (tests): leave no trace
+            os.environ.pop("GRPC_VERBOSITY", None)
 
 
 def _run(args: argparse.Namespace, prog: str) -> int:

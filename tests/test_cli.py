@@ -497,7 +497,25 @@ def test_grpc_log_lines_are_dropped_from_stderr_others_kept(
         os.write(2, b"a line of ours\n")
         os.write(2, b"unterminated")
     assert capfdbinary.readouterr().err == b"a line of ours\nunterminated"
+
+
+def test_grpc_verbosity_is_set_for_the_command_and_left_alone_when_chosen(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from cachedstore.cli import _quiet_grpc
+
+    monkeypatch.delenv("GRPC_VERBOSITY", raising=False)
+    assert _quiet_grpc() is False  # grpc is imported in this process: too late here...
+    assert os.environ["GRPC_VERBOSITY"] == "NONE"  # ...but children inherit it
     monkeypatch.setenv("GRPC_VERBOSITY", "INFO")  # asked for: kept
-    with _without_grpc_logs():
-        os.write(2, b"I1202 10:36:22.763785     429 x.cc:1] wanted\n")
-    assert capfdbinary.readouterr().err == b"I1202 10:36:22.763785     429 x.cc:1] wanted\n"
+    assert _quiet_grpc() is True and os.environ["GRPC_VERBOSITY"] == "INFO"
+
+
+def test_tls_failure_prints_one_line_without_grpc_logs(etcd_factory, prefix: str,
+                                                       tmp_path: Path) -> None:
+    server = etcd_factory(tls=make_tls_files(tmp_path / "good"))
+    wrong_ca = make_tls_files(tmp_path / "other").ca_cert
+    done = python_m("get", "k", "--endpoints", server.endpoint, "--prefix", prefix,
+                    "--cacert", wrong_ca, "--dial-timeout", "1")
+    assert done.returncode == 3
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "TLS handshake" in done.stderr

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import select
 import signal
 import socket
 import subprocess
@@ -257,3 +259,60 @@ def test_uncached_wait_times_out(etcd: LocalEtcd, prefix: str) -> None:
         with pytest.raises(KeyNotFoundError):
             client.mget(["absent"])
         assert client.watch_streams == 1
+
+
+# --------------------------------------------------------------------------- a terminal
+
+
+def _run_in_a_pty(argv: list[str], timeout: float) -> tuple[int, bytes]:
+    """Run ``argv`` with stdin, stdout and stderr on a pseudo-terminal; its exit code and
+    everything it wrote to the terminal."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("CACHEDSTORE_") and k not in ("GRPC_VERBOSITY", "NO_COLOR")}
+    env.update(TERM="xterm-256color", COLUMNS="120", LINES="40")
+    proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env,
+                            close_fds=True, start_new_session=True)
+    os.close(slave)
+    chunks: list[bytes] = []
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 1.0)
+            if not ready:
+                if proc.poll() is not None:
+                    break
+                continue
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: the last writer closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+        code = proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        os.close(master)
+    return code, b"".join(chunks)
+
+
+def test_progress_is_drawn_in_a_terminal() -> None:
+    code, output = _run_in_a_pty(
+        [sys.executable, "-m", "cachedstore", "demo", "--workers", "1", "--rounds", "5",
+         "--hot-reads", "5"], timeout=80)
+    assert code == 0, output.decode(errors="replace")
+    text = output.decode(errors="replace")
+    # rich's live display: the cursor hidden while the bars redraw, the bar glyphs and
+    # both phases' rounds counted up to the total
+    assert "\x1b[?25l" in text
+    assert "━" in text and "5/5" in text and "rounds" in text
+    assert "cached" in text and "uncached" in text
+    assert "wall time" in text  # and the table after it
+    assert not re.search(r"(?m)^[IWEF]\d{4} \d\d:\d\d:\d\d", text), text  # no gRPC logs
