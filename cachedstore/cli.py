@@ -9,42 +9,36 @@ script's entry point and ``python -m cachedstore`` runs it too.
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
+import errno
 import getpass
 import json
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 from . import errors
+from .console import (
+    EXIT_CODES_HELP,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    CommandError,
+    exit_code_for,
+    one_line,
+)
 
-__all__ = ["EXIT_CODES_HELP", "exit_code_for", "main", "one_line"]
+if TYPE_CHECKING:
+    from .client import EtcdClient
 
-EXIT_OK = 0
-EXIT_NOT_FOUND = 1
-EXIT_USAGE = 2
-EXIT_UNREACHABLE = 3
-EXIT_PERMISSION = 4
-EXIT_TIMEOUT = 5
-EXIT_ETCD_ERROR = 6
-EXIT_INTERRUPTED = 130
-
-EXIT_CODES_HELP = """\
-exit codes:
-  0    success
-  1    key not found (get, delete)
-  2    usage error: bad arguments or invalid input
-  3    etcd unreachable, TLS handshake failed, or etcd could not be started
-  4    permission denied or authentication failed
-  5    timed out (get --timeout, watch --count with --timeout, a stuck demo)
-  6    any other error (reported by etcd, or a failed demo worker)
-  130  interrupted (Ctrl-C) -- except watch and etcd, where Ctrl-C is how you stop them
-"""
+__all__ = ["EXIT_CODES_HELP", "build_parser", "main"]
 
 ENV_HELP = """\
 environment (flags win):
@@ -59,49 +53,11 @@ DEFAULT_ENDPOINTS = "127.0.0.1:2379"
 DEFAULT_DIAL_TIMEOUT = 5.0
 
 
-def exit_code_for(exc: BaseException) -> int:
-    """The exit code for an exception (see :data:`EXIT_CODES_HELP`)."""
-    from .server import EtcdNotFoundError, EtcdStartError
-
-    demo_error = _demo_error_type()
-    if demo_error is not None and isinstance(exc, demo_error):
-        return int(exc.exit_code)
-    if isinstance(exc, KeyboardInterrupt):
-        return EXIT_INTERRUPTED
-    if isinstance(exc, errors.KeyNotFoundError):
-        return EXIT_NOT_FOUND
-    if isinstance(exc, (errors.InvalidInputError, errors.InvalidTypeError, _UsageError)):
-        return EXIT_USAGE
-    if isinstance(exc, errors.EtcdPermissionError):
-        return EXIT_PERMISSION
-    if isinstance(exc, (errors.EtcdConnectionError, EtcdNotFoundError, EtcdStartError)):
-        return EXIT_UNREACHABLE
-    if isinstance(exc, errors.StoreTimeoutError):
-        return EXIT_TIMEOUT
-    return EXIT_ETCD_ERROR
-
-
-def _demo_error_type() -> type[Any] | None:
-    module = sys.modules.get("cachedstore.demo")
-    return getattr(module, "DemoError", None)
-
-
-def one_line(exc: BaseException) -> str:
-    """``str(exc)`` on one line: the first line (etcd start errors append a log tail), with
-    the last line of that tail when there is one, whitespace collapsed, at most 500 chars."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    if not lines:
-        return type(exc).__name__
-    text = lines[0]
-    tail = [line for line in lines[1:] if not line.startswith("---")]
-    if tail and getattr(exc, "log_tail", None):
-        text += f" [etcd log: {tail[-1][:200]}]"
-    text = " ".join(text.split())
-    return text if len(text) <= 500 else text[:497] + "..."
-
-
-class _UsageError(Exception):
+class _UsageError(CommandError):
     """A usage error found after parsing (exit code 2)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, EXIT_USAGE)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -192,18 +148,40 @@ def _endpoints(text: str) -> list[str]:
     return endpoints
 
 
-def _open_store(args: argparse.Namespace) -> Any:
-    """An EtcdStore from the connection flags (blocks up to --dial-timeout)."""
-    from .store import EtcdStore
+def _config(args: argparse.Namespace) -> Any:
+    """The StoreConfig of the connection flags (--dial-timeout bounds connect and requests)."""
+    from .config import StoreConfig
 
-    return EtcdStore(endpoints=_endpoints(args.endpoints), prefix=args.prefix,
-                     ca_cert=args.cacert, cert_cert=args.cert, cert_key=args.cert_key,
-                     user=args.user, password=args.password,
-                     connect_timeout=args.dial_timeout, request_timeout=args.dial_timeout)
+    return StoreConfig().with_overrides(connect_timeout=args.dial_timeout,
+                                        request_timeout=args.dial_timeout)
+
+
+def _open_client(args: argparse.Namespace, metrics: Any = None) -> EtcdClient:
+    """A plain :class:`~cachedstore.client.EtcdClient` from the connection flags: no cache,
+    no preload of the prefix, no watch. Blocks up to --dial-timeout while it authenticates."""
+    from .client import EtcdClient
+    from .metrics import NullMetrics
+
+    return EtcdClient(_endpoints(args.endpoints), _credentials(args), _config(args),
+                      NullMetrics() if metrics is None else metrics, args.prefix)
 
 
 def _text(value: bytes) -> str:
     return value.decode("utf-8", "backslashreplace")
+
+
+def _json_bytes(field: str, data: bytes) -> dict[str, str]:
+    """``{field: text}`` when ``data`` is UTF-8, else ``{field + "_base64": base64}`` (the
+    encoding ``etcdctl -w json`` uses for keys and values)."""
+    try:
+        return {field: data.decode("utf-8")}
+    except UnicodeDecodeError:
+        return {field + "_base64": base64.b64encode(data).decode("ascii")}
+
+
+def _json_name(name: str) -> dict[str, str]:
+    """A key name for JSON: as text, or base64 when it is not UTF-8 (bytes from argv)."""
+    return _json_bytes("name", name.encode("utf-8", "surrogateescape"))
 
 
 def _print_json(obj: Any) -> None:
@@ -211,36 +189,79 @@ def _print_json(obj: Any) -> None:
     sys.stdout.flush()
 
 
+def _check_tls_files(args: argparse.Namespace) -> None:
+    """Raise a usage error naming the flag when a TLS file is unreadable, not PEM, or when
+    --cert and --key do not come together or do not match. Blocks only to read the files."""
+    import ssl
+
+    def load(flag: str, path: str, action: Callable[[ssl.SSLContext], object], what: str
+             ) -> None:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        try:
+            action(context)
+        except ssl.SSLError:
+            raise _UsageError(f"{flag}: {path} is {what}") from None
+        except OSError as exc:
+            raise _UsageError(f"{flag}: cannot read TLS file {exc.filename or path} "
+                              f"({exc.strerror})") from None
+
+    if (args.cert is None) != (args.cert_key is None):
+        raise _UsageError("--cert and --key go together: give both or neither")
+    if args.cacert is not None:
+        load("--cacert", args.cacert,
+             lambda c: c.load_verify_locations(cafile=args.cacert), "not a PEM certificate")
+    if args.cert is not None:
+        load("--cert", args.cert,
+             lambda c: c.load_verify_locations(cafile=args.cert), "not a PEM certificate")
+        load("--key", args.cert_key,
+             lambda c: c.load_cert_chain(args.cert, args.cert_key, password=lambda: b""),
+             "not the unencrypted PEM private key of --cert")
+
+
+def _warn_prefix(args: argparse.Namespace, prog: str) -> None:
+    """One warning line when --prefix does not end with '/' (names run into it)."""
+    prefix = getattr(args, "prefix", "")
+    if prefix and not prefix.endswith("/"):
+        print(f"{prog}: warning: --prefix {prefix!r} does not end with '/': the name "
+              f"'k' is the key '{prefix}k'", file=sys.stderr, flush=True)
+
+
 # --------------------------------------------------------------------------- commands
 
 
 def cmd_get(args: argparse.Namespace) -> int:
-    with _open_store(args) as store:
-        value = store.get(args.name, timeout=args.timeout)
+    with _open_client(args) as client:
+        try:
+            kv = client.get_kv(args.name, timeout=args.timeout)
+        except (errors.KeyNotFoundError, errors.StoreTimeoutError):
+            if args.json:
+                _print_json({**_json_name(args.name), "found": False})
+            raise
     if args.json:
-        _print_json({"name": args.name, "value": _text(value)})
+        _print_json({**_json_name(args.name), "found": True, **_json_bytes("value", kv.value),
+                     "mod_revision": kv.mod_revision, "version": kv.version})
     else:
-        sys.stdout.buffer.write(value + b"\n")
+        sys.stdout.buffer.write(kv.value if args.raw else kv.value + b"\n")
         sys.stdout.flush()
     return EXIT_OK
 
 
 def cmd_set(args: argparse.Namespace) -> int:
     value = sys.stdin.buffer.read() if args.value == "-" else args.value.encode()
-    with _open_store(args) as store:
-        store.set(args.name, value)
+    with _open_client(args) as client:
+        revision = client.set(args.name, value)
     if args.json:
-        _print_json({"name": args.name, "ok": True})
+        _print_json({**_json_name(args.name), "ok": True, "revision": revision})
     else:
         print("OK")
     return EXIT_OK
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
-    with _open_store(args) as store:
-        existed = store.delete(args.name)
+    with _open_client(args) as client:
+        existed = client.delete(args.name)
     if args.json:
-        _print_json({"name": args.name, "deleted": existed})
+        _print_json({**_json_name(args.name), "deleted": existed})
     if not existed:
         raise errors.KeyNotFoundError(args.name)
     if not args.json:
@@ -249,22 +270,23 @@ def cmd_delete(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from .demo import UncachedClient
+    from prometheus_client import CollectorRegistry
 
-    with _open_store(args) as store:
-        keys = store.num_keys()
-        stats = store.stats()
-        rpcs: dict[str, int] = {}
-        for family in store.registry.collect():
-            for sample in family.samples:
-                if sample.name == "cachedstore_etcd_requests_total" and sample.value:
-                    label = f"{sample.labels['method']}:{sample.labels['code']}"
-                    rpcs[label] = rpcs.get(label, 0) + int(sample.value)
-        with UncachedClient(_endpoints(args.endpoints), _credentials(args),
-                            store.config, store.metrics, args.prefix) as client:
-            status = client.status()
+    from .metrics import StoreMetrics
+
+    registry = CollectorRegistry()
+    with _open_client(args, StoreMetrics(registry)) as client:
+        keys = client.count()
+        status = client.status()
+    rpcs: dict[str, int] = {}
+    for family in registry.collect():
+        for sample in family.samples:
+            if sample.name == "cachedstore_etcd_requests_total" and sample.value:
+                label = f"{sample.labels['method']}:{sample.labels['code']}"
+                rpcs[label] = rpcs.get(label, 0) + int(sample.value)
     report = {
-        "store": stats,
+        "prefix": args.prefix,
+        "endpoints": _endpoints(args.endpoints),
         "keys_under_prefix": keys,
         "etcd": {"version": status.version, "db_size_bytes": status.dbSize,
                  "leader": status.leader, "member_id": status.header.member_id,
@@ -274,14 +296,22 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(report)
         return EXIT_OK
-    width = 26
-    for key, value in stats.items():
-        print(f"{key:<{width}} {value}")
-    print(f"{'keys under prefix':<{width}} {keys}")
-    for key, value in report["etcd"].items():
-        print(f"{'etcd ' + key:<{width}} {value}")
-    print(f"{'etcd requests made':<{width}} "
-          + ", ".join(f"{k}={v}" for k, v in sorted(rpcs.items())))
+    etcd = report["etcd"]
+    rows = [
+        ("prefix", args.prefix or "(none: the whole keyspace)"),
+        ("endpoints", ", ".join(report["endpoints"])),
+        ("keys under prefix", f"{keys:,}"),
+        ("etcd version", etcd["version"]),
+        ("etcd db size", f"{etcd['db_size_bytes']:,} bytes"),
+        ("etcd member id", f"{etcd['member_id']:x}"),
+        ("etcd leader", f"{etcd['leader']:x}"),
+        ("etcd raft term", str(etcd["raft_term"])),
+        ("etcd revision", str(etcd["revision"])),
+        ("etcd requests made", ", ".join(f"{k}={v}" for k, v in sorted(rpcs.items()))),
+    ]
+    width = max(len(label) for label, _ in rows) + 2
+    for label, value in rows:
+        print(f"{label:<{width}}{value}")
     return EXIT_OK
 
 
@@ -322,7 +352,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
             stop.wait()  # keep the send side open until we are done
 
         _, endpoint = conn.endpoint()
-        call = endpoint.watch.Watch(requests(), metadata=conn.metadata())
+        call = cast(Any, endpoint).watch.Watch(requests(), metadata=conn.metadata())
         timed_out = threading.Event()
 
         def expire() -> None:
@@ -373,9 +403,10 @@ def _print_event(event: Any, keys: Any, as_json: bool) -> None:
     name = _text(event.kv.key) if name is None else name
     kind = "PUT" if event.type == 0 else "DELETE"
     if as_json:
-        record = {"type": kind, "name": name, "revision": event.kv.mod_revision}
+        record: dict[str, Any] = {"type": kind, **_json_name(name),
+                                  "revision": event.kv.mod_revision}
         if kind == "PUT":
-            record["value"] = _text(event.kv.value)
+            record.update(_json_bytes("value", event.kv.value))
         print(json.dumps(record), flush=True)
     elif kind == "PUT":
         print(f"PUT {name} {_text(event.kv.value)}", flush=True)
@@ -385,17 +416,13 @@ def _print_event(event: Any, keys: Any, as_json: bool) -> None:
 
 def cmd_etcd(args: argparse.Namespace) -> int:
     """Run a development etcd in the foreground until Ctrl-C."""
-    import socket
-
     from .server import LocalEtcd
 
     with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as sock:
         try:
             sock.bind((args.host, args.port))
         except OSError as exc:
-            raise errors.EtcdConnectionError(
-                f"cannot start etcd: {args.host}:{args.port} is not available "
-                f"({exc.strerror}); pick another --port") from None
+            raise errors.EtcdConnectionError(_bind_failure(args.host, args.port, exc)) from None
     etcd = LocalEtcd(host=args.host, client_port=args.port, data_dir=args.data_dir,
                      name="cachedstore-dev", log_level=args.log_level)
     try:
@@ -411,8 +438,9 @@ def cmd_etcd(args: argparse.Namespace) -> int:
         try:
             while etcd.running:
                 time.sleep(0.2)
-        except KeyboardInterrupt:
-            print("stopping etcd", file=sys.stderr, flush=True)
+        except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP
+            with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+                print("stopping etcd", file=sys.stderr, flush=True)
             return EXIT_OK
         tail = ""
         try:
@@ -423,6 +451,17 @@ def cmd_etcd(args: argparse.Namespace) -> int:
         raise errors.EtcdConnectionError(f"etcd exited unexpectedly{tail}")
     finally:
         etcd.close()
+
+
+def _bind_failure(host: str, port: int, exc: OSError) -> str:
+    """Why ``cachedstore etcd`` cannot listen on host:port, naming the flag to change."""
+    if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+        return (f"cannot start etcd: {host}:{port} is not available ({exc.strerror}); "
+                f"pick another --port")
+    if isinstance(exc, socket.gaierror):
+        return f"cannot start etcd: --host {host}: {exc.strerror}"
+    return (f"cannot start etcd: --host {host} is not an address of this machine "
+            f"({exc.strerror})")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -470,9 +509,9 @@ def build_parser() -> argparse.ArgumentParser:
             description: str, parents: Sequence[argparse.ArgumentParser] = ()
             ) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=description,
-                           parents=list(parents), formatter_class=formatter,
+                           parents=list(cast(Sequence[_Parser], parents)), formatter_class=formatter,
                            epilog=EXIT_CODES_HELP + ("\n" + ENV_HELP if parents else ""))
-        p.set_defaults(func=func)
+        p.set_defaults(func=func, subparser=p)
         return p
 
     demo = add("demo", cmd_demo, "simulate a high-fan-out job, cached vs. uncached",
@@ -501,12 +540,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_security_flags(demo)
 
     get = add("get", cmd_get, "print the value of a key",
-              "Print the value of NAME (under --prefix) followed by a newline.", [conn])
+              "Print the value of NAME (under --prefix) followed by a newline (--raw: "
+              "exactly the stored bytes).", [conn])
     get.add_argument("name")
     get.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS",
                      help="if the key is absent, wait up to SECONDS for it to be created "
                           "(exit 5 if it is not)")
-    get.add_argument("--json", action="store_true", help='print {"name", "value"} as JSON')
+    output = get.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true",
+                        help='print {"name", "found", "value", "mod_revision", "version"} as '
+                             'JSON, also when the key is absent ("found": false); a value that '
+                             'is not UTF-8 is "value_base64" instead of "value"')
+    output.add_argument("--raw", action="store_true",
+                        help="print the value byte for byte, without the trailing newline")
 
     set_ = add("set", cmd_set, "write a key", "Write VALUE under NAME ('-' reads stdin).",
                [conn])
@@ -532,8 +578,8 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_argument("--json", action="store_true", help="one JSON object per event")
 
     stats = add("stats", cmd_stats, "print store and etcd statistics",
-                "Open a store on --prefix and print its stats(), the number of keys under "
-                "the prefix, etcd's status and the requests this command made.", [conn])
+                "Print the number of keys under --prefix, etcd's status and the requests "
+                "this command made (two).", [conn])
     stats.add_argument("--json", action="store_true", help="print the statistics as JSON")
 
     etcd = add("etcd", cmd_etcd, "run a local development etcd in the foreground",
@@ -558,18 +604,15 @@ _GRPC_LOG_LINE = re.compile(rb"^(?:[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\
 
 @contextlib.contextmanager
 def _without_grpc_logs() -> Iterator[None]:
-    """Keep gRPC's C-core log lines off stderr while a command runs.
+    """Keep gRPC's C-core log lines off stderr while a command runs (the fallback for when
+    ``GRPC_VERBOSITY`` came too late, see :func:`_quiet_grpc`; never used in a terminal).
 
     gRPC writes lines such as TLS handshake failures straight to file descriptor 2, one per
-    reconnect attempt, which would bury the one-line error. ``GRPC_VERBOSITY`` would silence
-    them but is read when grpc is imported, i.e. before any command runs. So fd 2 is routed
-    through a pipe whose reader thread drops lines in gRPC's log format and forwards all
-    others, in order. Does nothing when ``GRPC_VERBOSITY`` is set (the user wants the logs)
-    or fd 2 cannot be duplicated. Blocks on exit for at most 2 s while the reader drains.
+    reconnect attempt, which would bury the one-line error. fd 2 is routed through a pipe
+    whose reader thread drops lines in gRPC's log format and forwards all others, in order.
+    Does nothing when fd 2 cannot be duplicated. Blocks on exit for at most 2 s while the
+    reader drains.
     """
-    if os.environ.get("GRPC_VERBOSITY"):
-        yield
-        return
     try:
         sys.stderr.flush()
         saved = os.dup(2)
@@ -610,6 +653,26 @@ def _without_grpc_logs() -> Iterator[None]:
             os.close(saved)
 
 
+def _quiet_grpc() -> bool:
+    """Silence gRPC's C-core logging (TLS handshake failures, reconnect attempts written
+    straight to fd 2) without touching stderr: ``GRPC_VERBOSITY=NONE`` in the environment,
+    unless the user chose a level. Spawned processes (the demo's workers) inherit it.
+
+    gRPC reads the variable when it is first imported, so returns whether it takes effect
+    in this process: True when the user chose the level or grpc is not imported yet."""
+    if os.environ.get("GRPC_VERBOSITY"):
+        return True
+    os.environ["GRPC_VERBOSITY"] = "NONE"
+    return "grpc" not in sys.modules
+
+
+def _stderr_is_a_terminal() -> bool:
+    try:
+        return os.isatty(2)
+    except OSError:
+        return False
+
+
 def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
@@ -619,48 +682,58 @@ def main(argv: Sequence[str] | None = None) -> int:
     with it). Never lets an exception escape as a traceback, except for bugs."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # reported by the subcommand's parser, so the message names it
+            cast(argparse.ArgumentParser, getattr(args, "subparser", parser)).error(
+                f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exc:  # --help, --version, usage errors
         return int(exc.code or 0) if not isinstance(exc.code, str) else EXIT_USAGE
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     prog = f"cachedstore {args.command}"
-    previous: list[tuple[int, Any]] = []
+    previous: list[tuple[signal.Signals, Any]] = []
     if args.command in ("demo", "etcd", "watch") and \
             threading.current_thread() is threading.main_thread():
         # Ctrl-C must work even when started with SIGINT ignored (a background job), and
-        # SIGTERM cleans up like it: a throw-away etcd must not outlive us.
+        # SIGTERM and SIGHUP (the terminal closed) clean up like it: a throw-away etcd
+        # must not outlive us.
         for signum, handler in ((signal.SIGINT, signal.default_int_handler),
-                                (signal.SIGTERM, _raise_interrupt)):
+                                (signal.SIGTERM, _raise_interrupt),
+                                (signal.SIGHUP, _raise_interrupt)):
             previous.append((signum, signal.signal(signum, handler)))
+    verbosity = os.environ.get("GRPC_VERBOSITY")
+    silenced = _quiet_grpc()
+    # Fallback while grpc was imported before the variable could take effect: filter fd 2,
+    # but never in a terminal, where rich must see the TTY to draw progress.
+    filtered = not silenced and not _stderr_is_a_terminal()
     try:
-        with _without_grpc_logs():
+        with _without_grpc_logs() if filtered else contextlib.nullcontext():
             return _run(args, prog)
     finally:
         for signum, handler in previous:
             signal.signal(signum, handler)
+        if verbosity is None:  # main() may run in-process (tests): leave no trace
+            os.environ.pop("GRPC_VERBOSITY", None)
 
 
 def _run(args: argparse.Namespace, prog: str) -> int:
     """Run the parsed command; every expected failure becomes one stderr line and a code."""
     try:
+        _warn_prefix(args, prog)
+        if hasattr(args, "cacert"):
+            _check_tls_files(args)
         if hasattr(args, "user"):  # resolve (or prompt for) the password once
             args.password = _password(args)
         return int(args.func(args))
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+            print(f"{prog}: interrupted", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     except BrokenPipeError:  # `cachedstore watch | head`
         with contextlib.suppress(OSError):
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the final flush
         return EXIT_OK
-    except (errors.CachedStoreError, _UsageError, OSError) as exc:
+    except (errors.CachedStoreError, CommandError, OSError) as exc:
         print(f"{prog}: error: {one_line(exc)}", file=sys.stderr, flush=True)
         return exit_code_for(exc)
-    except Exception as exc:
-        demo_error = _demo_error_type()
-        if demo_error is not None and isinstance(exc, demo_error):
-            print(f"{prog}: error: {one_line(exc)}", file=sys.stderr, flush=True)
-            return exit_code_for(exc)
-        raise

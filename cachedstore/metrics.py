@@ -1,35 +1,73 @@
-"""Prometheus metrics of a store.
+"""Prometheus metrics of a store, sized for fleets of thousands of processes.
 
-Every metric is declared once per :class:`~prometheus_client.CollectorRegistry` (stores that
-share a registry share the families and their counts add up) and every label child the hot
-path touches is bound once, in :class:`StoreMetrics`, so a cache hit costs one
-``Counter.inc()`` and no ``labels()`` lookup.
+Every metric family is declared once per :class:`~prometheus_client.CollectorRegistry`
+(stores that share a registry share the families, and their counts add up).
+
+Series budget. A process that merely opened a store exports about 50 series and one that
+has used every operation about 140 (``tests/test_metrics_series.py`` counts them):
+
+* **Label children are created lazily**, the first time an operation, RPC method or restart
+  reason is used, and then kept: ``metrics.hit["get"]`` is a plain dict lookup after the
+  first one, and the store binds ``metrics.hit["get"].inc`` once at construction, so a cache
+  hit still costs one ``Counter.inc()`` and no ``labels()`` lookup.
+* **Coarse buckets by default** (:data:`COARSE_BUCKETS`, five decades from 10 µs to 100 ms
+  plus ``+Inf``); the fine layout (:data:`FULL_BUCKETS`, 22 bounds from 1 µs to 10 s) is a
+  setting: ``make_metrics(registry, buckets="full")``. The layout is fixed per registry by
+  the first store that uses it; asking for another one on the same registry is an error.
+* **No ``_created`` series.** prometheus-client's own switch for that
+  (``disable_created_metrics()`` / ``PROMETHEUS_DISABLE_CREATED_SERIES``) is process-wide and
+  would also change the user's metrics in the same registry, so it is left alone: instead the
+  families are registered through one collector (:class:`_StoreCollector`) that drops the
+  ``_created`` samples of cachedstore's families only. Other metrics in a shared registry
+  (including the global ``REGISTRY``) keep theirs.
+* etcd RPCs are counted by method and code, their durations in one histogram without labels.
 
 Gauges that several stores (or, in prometheus-client's multiprocess mode, several processes)
 contribute to are kept with ``inc``/``dec`` and aggregated with a ``multiprocess_mode`` that
 adds them up (``livesum``); ``cachedstore_watch_up`` then counts healthy watches and
 ``cachedstore_watch_revision`` shows the newest revision (``livemax``).
 
-Label values are bounded: operation and method names, gRPC code names and restart reasons.
-Key names and values never appear in labels.
+Label values are bounded: the operation and method names below, gRPC code names and the
+restart reasons. An unknown operation name is a ``KeyError``, never a new series. Key names
+and values never appear in labels. Everything here is thread-safe (prometheus-client is).
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
-__all__ = ["METRIC_NAMES", "NullMetrics", "StoreMetrics", "make_metrics"]
+from .errors import InvalidInputError
 
-#: Latency buckets, in seconds, from 1 µs (a cache hit) to 10 s (a long blocking wait).
-LATENCY_BUCKETS = (
+__all__ = [
+    "COARSE_BUCKETS",
+    "FULL_BUCKETS",
+    "METRIC_NAMES",
+    "NullMetrics",
+    "StoreMetrics",
+    "exported_names",
+    "make_metrics",
+    "resolve_buckets",
+]
+
+#: The default latency buckets, in seconds: one per decade from 10 µs (a cache hit is
+#: below) to 100 ms (a blocking wait is usually above).
+COARSE_BUCKETS: tuple[float, ...] = (1e-5, 1e-4, 1e-3, 0.01, 0.1)
+#: The fine layout (``buckets="full"``), from 1 µs (a cache hit) to 10 s (a long wait).
+FULL_BUCKETS: tuple[float, ...] = (
     1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4,
     1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )
+#: Kept for callers of the previous name: the fine layout.
+LATENCY_BUCKETS = FULL_BUCKETS
+#: The named layouts ``buckets=`` accepts.
+BUCKET_LAYOUTS: dict[str, tuple[float, ...]] = {"coarse": COARSE_BUCKETS, "full": FULL_BUCKETS}
 
 #: Read operations, whose requests are counted as cache hits or misses.
 READ_OPS = ("get", "mget", "aget", "amget", "check", "wait")
@@ -40,12 +78,80 @@ RESTART_REASONS = (
     "disconnect", "compacted", "canceled", "stalled", "auth", "ended", "error",
 )
 
+#: The names of every metric family cachedstore exports (without the _bucket/_sum suffixes).
+METRIC_NAMES = (
+    "cachedstore_cache_requests_total",
+    "cachedstore_request_duration_seconds",
+    "cachedstore_etcd_requests_total",
+    "cachedstore_etcd_request_duration_seconds",
+    "cachedstore_cache_entries",
+    "cachedstore_cache_evictions_total",
+    "cachedstore_watch_events_total",
+    "cachedstore_watch_restarts_total",
+    "cachedstore_watch_up",
+    "cachedstore_watch_revision",
+    "cachedstore_waiters",
+    "cachedstore_fills_dropped_total",
+    "cachedstore_stale_reads_total",
+)
+
+
+def resolve_buckets(buckets: str | Sequence[float]) -> tuple[float, ...]:
+    """A bucket layout: ``"coarse"``, ``"full"`` or increasing positive finite bounds.
+
+    Raises:
+        InvalidInputError: an unknown name, or bounds that are empty, not increasing,
+            not positive or not finite (``+Inf`` is always added by prometheus-client).
+    """
+    if isinstance(buckets, str):
+        try:
+            return BUCKET_LAYOUTS[buckets]
+        except KeyError:
+            raise InvalidInputError(
+                f"buckets must be one of {', '.join(BUCKET_LAYOUTS)} or a sequence of "
+                f"bounds in seconds, got {buckets!r}") from None
+    try:
+        bounds = tuple(float(b) for b in buckets)
+    except (TypeError, ValueError):
+        raise InvalidInputError(f"buckets must be numbers of seconds, got {buckets!r}") from None
+    if not bounds or any(not 0 < b < float("inf") for b in bounds) or any(
+            a >= b for a, b in zip(bounds, bounds[1:], strict=False)):
+        raise InvalidInputError(
+            f"buckets must be increasing, positive and finite, got {list(bounds)}")
+    return bounds
+
+
+class _StoreCollector(Collector):
+    """cachedstore's families in one registry, exported without their ``_created`` samples.
+
+    The families themselves are created unregistered (``registry=None``) and collected
+    through this object, which is what the registry holds.
+    """
+
+    def __init__(self, families: Sequence[Counter | Gauge | Histogram]) -> None:
+        self._families = tuple(families)
+
+    def describe(self) -> Iterable[Metric]:
+        for family in self._families:
+            yield from family.describe()
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self._families:
+            for metric in family.collect():
+                samples = [s for s in metric.samples if not s.name.endswith("_created")]
+                if len(samples) != len(metric.samples):
+                    copy = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+                    copy.samples = samples
+                    metric = copy
+                yield metric
+
 
 class _Families:
-    """The metric families of one registry."""
+    """The metric families of one registry (created once, registered as one collector)."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        kw: dict[str, Any] = {"registry": registry}
+    def __init__(self, registry: CollectorRegistry, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        kw: dict[str, Any] = {"registry": None}
         self.cache_requests = Counter(
             "cachedstore_cache_requests_total",
             "Keys requested from the cache, by operation and result (mget counts each key).",
@@ -53,15 +159,15 @@ class _Families:
         self.request_duration = Histogram(
             "cachedstore_request_duration_seconds",
             "Duration of store operations as the caller sees them.",
-            ["op"], buckets=LATENCY_BUCKETS, **kw)
+            ["op"], buckets=buckets, **kw)
         self.etcd_requests = Counter(
             "cachedstore_etcd_requests_total",
             "RPCs sent to etcd, by method and gRPC status code (ok on success).",
             ["method", "code"], **kw)
         self.etcd_duration = Histogram(
             "cachedstore_etcd_request_duration_seconds",
-            "Duration of RPCs sent to etcd.",
-            ["method"], buckets=LATENCY_BUCKETS, **kw)
+            "Duration of unary RPCs sent to etcd (all methods).",
+            buckets=buckets, **kw)
         self.cache_entries = Gauge(
             "cachedstore_cache_entries",
             "Entries held in the cache (values and absent-key markers).",
@@ -97,24 +203,12 @@ class _Families:
             "cachedstore_stale_reads_total",
             "Reads served from the cache while the watch was down (max_staleness mode).",
             **kw)
+        registry.register(_StoreCollector([
+            self.cache_requests, self.request_duration, self.etcd_requests,
+            self.etcd_duration, self.cache_entries, self.cache_evictions, self.watch_events,
+            self.watch_restarts, self.watch_up, self.watch_revision, self.waiters,
+            self.fills_dropped, self.stale_reads]))
 
-
-#: The names of every metric family cachedstore exports (without the _bucket/_sum suffixes).
-METRIC_NAMES = (
-    "cachedstore_cache_requests_total",
-    "cachedstore_request_duration_seconds",
-    "cachedstore_etcd_requests_total",
-    "cachedstore_etcd_request_duration_seconds",
-    "cachedstore_cache_entries",
-    "cachedstore_cache_evictions_total",
-    "cachedstore_watch_events_total",
-    "cachedstore_watch_restarts_total",
-    "cachedstore_watch_up",
-    "cachedstore_watch_revision",
-    "cachedstore_waiters",
-    "cachedstore_fills_dropped_total",
-    "cachedstore_stale_reads_total",
-)
 
 _families_lock = threading.Lock()
 _families_by_registry: weakref.WeakKeyDictionary[CollectorRegistry, _Families] = (
@@ -122,35 +216,79 @@ _families_by_registry: weakref.WeakKeyDictionary[CollectorRegistry, _Families] =
 )
 
 
-def _families(registry: CollectorRegistry) -> _Families:
+def _families(registry: CollectorRegistry, buckets: tuple[float, ...] | None) -> _Families:
+    """The families of ``registry``, created with ``buckets`` (coarse when None) if new.
+
+    Raises InvalidInputError when they exist with another layout than ``buckets``.
+    """
     with _families_lock:
         families = _families_by_registry.get(registry)
         if families is None:
-            families = _families_by_registry[registry] = _Families(registry)
+            families = _families_by_registry[registry] = _Families(
+                registry, COARSE_BUCKETS if buckets is None else buckets)
+        elif buckets is not None and buckets != families.buckets:
+            raise InvalidInputError(
+                f"this registry already holds cachedstore's metrics with buckets "
+                f"{list(families.buckets)}; a store on it cannot use {list(buckets)}")
         return families
 
 
-class StoreMetrics:
-    """The bound label children one store updates. Thread-safe (prometheus-client is)."""
+class _LazyChildren(dict[str, Any]):
+    """``{name: label child}``, each child created on first lookup and then kept.
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    Only names in ``allowed`` exist (anything else is a KeyError, not a new series). After
+    the first lookup of a name, looking it up is a plain dict lookup. Thread-safe: two
+    threads missing the same name at once get the same child (``labels()`` is idempotent).
+    """
+
+    def __init__(self, allowed: Iterable[str], make: Callable[[str], Any]) -> None:
+        super().__init__()
+        self._allowed = frozenset(allowed)
+        self._make = make
+
+    def __missing__(self, name: str) -> Any:
+        if name not in self._allowed:
+            raise KeyError(name)
+        child = self[name] = self._make(name)
+        return child
+
+
+class StoreMetrics:
+    """The label children one store updates, created on first use and then bound.
+
+    Thread-safe (prometheus-client is). ``hit``, ``miss`` and ``duration`` map an operation
+    name of :data:`READ_OPS` / :data:`ALL_OPS` to its child; bind ``metrics.hit[op].inc`` once
+    on a hot path rather than looking it up per call.
+
+    Raises:
+        InvalidInputError: ``buckets`` is not a layout (see :func:`resolve_buckets`), or the
+            registry already holds cachedstore's families with another layout.
+    """
+
+    def __init__(self, registry: CollectorRegistry,
+                 buckets: str | Sequence[float] | None = None) -> None:
         self.registry = registry
-        f = self._f = _families(registry)
-        self.hit = {op: f.cache_requests.labels(op, "hit") for op in READ_OPS}
-        self.miss = {op: f.cache_requests.labels(op, "miss") for op in READ_OPS}
-        self.duration = {op: f.request_duration.labels(op) for op in ALL_OPS}
+        f = self._f = _families(registry, None if buckets is None else resolve_buckets(buckets))
+        self.hit = _LazyChildren(READ_OPS, lambda op: f.cache_requests.labels(op, "hit"))
+        self.miss = _LazyChildren(READ_OPS, lambda op: f.cache_requests.labels(op, "miss"))
+        self.duration = _LazyChildren(ALL_OPS, lambda op: f.request_duration.labels(op))
+        self.restarts = _LazyChildren(RESTART_REASONS, lambda r: f.watch_restarts.labels(r))
         self.entries = f.cache_entries
         self.evictions = f.cache_evictions
         self.events_put = f.watch_events.labels("put")
         self.events_delete = f.watch_events.labels("delete")
-        self.restarts = {r: f.watch_restarts.labels(r) for r in RESTART_REASONS}
         self.watch_up = f.watch_up
         self.watch_revision = f.watch_revision
         self.waiters = f.waiters
         self.fills_dropped = f.fills_dropped
         self.stale_reads = f.stale_reads
         self._rpc_counts: dict[tuple[str, str], Any] = {}
-        self._rpc_durations: dict[str, Any] = {}
+        self._rpc_duration = f.etcd_duration
+
+    @property
+    def buckets(self) -> tuple[float, ...]:
+        """The latency bucket bounds of this registry's histograms (without ``+Inf``)."""
+        return self._f.buckets
 
     def rpc(self, method: str, code: str, seconds: float) -> None:
         """Record one etcd RPC (not on the hot path: a dict lookup per RPC is fine)."""
@@ -158,16 +296,11 @@ class StoreMetrics:
         if child is None:
             child = self._rpc_counts[(method, code)] = self._f.etcd_requests.labels(method, code)
         child.inc()
-        hist = self._rpc_durations.get(method)
-        if hist is None:
-            hist = self._rpc_durations[method] = self._f.etcd_duration.labels(method)
-        hist.observe(seconds)
+        self._rpc_duration.observe(seconds)
 
     def restart(self, reason: str) -> None:
-        child = self.restarts.get(reason)
-        if child is None:
-            child = self.restarts[reason] = self._f.watch_restarts.labels(reason)
-        child.inc()
+        """Count one watch restart; an unknown ``reason`` is counted as ``error``."""
+        self.restarts[reason if reason in RESTART_REASONS else "error"].inc()
 
 
 class _Null:
@@ -190,6 +323,7 @@ class NullMetrics:
     """The same surface as :class:`StoreMetrics`, doing nothing (``EtcdStore(metrics=False)``)."""
 
     registry = None
+    buckets: tuple[float, ...] = ()
 
     def __init__(self) -> None:
         null = _Null()
@@ -208,15 +342,23 @@ class NullMetrics:
         pass
 
 
-def make_metrics(registry: CollectorRegistry | None, enabled: bool = True
-                 ) -> StoreMetrics | NullMetrics:
-    """The metrics of one store: on ``registry``, or on a new private registry when None."""
+def make_metrics(registry: CollectorRegistry | None, enabled: bool = True, *,
+                 buckets: str | Sequence[float] | None = None) -> StoreMetrics | NullMetrics:
+    """The metrics of one store: on ``registry``, or on a new private registry when None.
+
+    ``buckets``: ``"coarse"`` (the default, :data:`COARSE_BUCKETS`), ``"full"``
+    (:data:`FULL_BUCKETS`) or explicit bounds in seconds. None means "whatever the registry
+    already uses, coarse if it has none yet". Raises InvalidInputError as
+    :class:`StoreMetrics` does.
+    """
     if not enabled:
+        if buckets is not None:
+            resolve_buckets(buckets)  # bad input is reported even with metrics off
         return NullMetrics()
-    return StoreMetrics(registry if registry is not None else CollectorRegistry())
+    return StoreMetrics(registry if registry is not None else CollectorRegistry(), buckets)
 
 
-def exported_names(registry: CollectorRegistry) -> Iterable[str]:
+def exported_names(registry: CollectorRegistry) -> Iterator[str]:
     """Names of the cachedstore families present in ``registry`` (for tests and docs)."""
     for family in registry.collect():
         if family.name.startswith("cachedstore_"):

@@ -7,8 +7,10 @@ subprocesses.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -89,8 +91,8 @@ def test_set_get_delete_roundtrip(cli, etcd: LocalEtcd, prefix: str) -> None:
     assert cli("set", "master_addr", "10.0.0.1:29500", *c).text == "OK\n"
     run = cli("get", "master_addr", *c)
     assert (run.code, run.out) == (0, b"10.0.0.1:29500\n")
-    assert cli("get", "master_addr", "--json", *c).json() == {
-        "name": "master_addr", "value": "10.0.0.1:29500"}
+    got = cli("get", "master_addr", "--json", *c).json()
+    assert (got["name"], got["found"], got["value"]) == ("master_addr", True, "10.0.0.1:29500")
     with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix) as store:  # really in etcd
         assert store.get("master_addr") == b"10.0.0.1:29500"
     assert cli("delete", "master_addr", "--json", *c).json() == {
@@ -162,6 +164,7 @@ def test_unreachable_endpoint_exits_3_quickly(cli) -> None:
     assert run.code == 3
     line = one_error_line(run, "get")
     assert f"127.0.0.1:{port}" in line and "unreachable" in line
+    assert "etcd range" not in line  # no internal RPC names
     assert elapsed < 5.0  # bounded by --dial-timeout (plus slack), not the 10 s default
 
 
@@ -181,6 +184,13 @@ def test_usage_errors_exit_2_with_one_line(cli, argv: list[str], message: str) -
     assert len(lines) == 1 and message in lines[0] and "--help" in lines[0], run.err
 
 
+def test_unknown_flag_names_the_subcommand(cli) -> None:
+    run = cli("get", "k", "--bogus")
+    assert run.code == 2
+    assert run.err == ("cachedstore get: error: unrecognized arguments: --bogus "
+                       "(see cachedstore get --help)\n")
+
+
 def test_no_command_prints_help_and_exits_2(cli) -> None:
     run = cli()
     assert run.code == 2 and "usage: cachedstore" in run.err
@@ -192,7 +202,49 @@ def test_invalid_input_exits_2(cli, etcd: LocalEtcd, prefix: str) -> None:
     assert "CACHEDSTORE_PASSWORD" in one_error_line(run, "get")
     run = cli("get", "k", "--cacert", "/nonexistent/ca.pem", *conn(etcd, prefix))
     assert run.code == 2
-    assert "cannot read TLS file" in one_error_line(run, "get")
+    assert "--cacert: cannot read TLS file /nonexistent/ca.pem" in one_error_line(run, "get")
+
+
+def test_tls_files_are_checked_and_named_by_their_flags(cli, etcd: LocalEtcd, prefix: str,
+                                                       tmp_path: Path) -> None:
+    good, other = make_tls_files(tmp_path / "good"), make_tls_files(tmp_path / "other")
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("this is not a certificate\n")
+    c = conn(etcd, prefix)
+    cases = [
+        (["--cacert", str(garbage)], f"--cacert: {garbage} is not a PEM certificate"),
+        (["--cert", str(good.client_cert)], "--cert and --key go together: give both or neither"),
+        (["--cert", str(garbage), "--key", str(good.client_key)],
+         f"--cert: {garbage} is not a PEM certificate"),
+        (["--cert", str(good.client_cert), "--key", str(other.client_key)],
+         f"--key: {other.client_key} is not the unencrypted PEM private key of --cert"),
+    ]
+    for flags, message in cases:
+        run = cli("get", "k", *c, *flags)
+        assert run.code == 2, run.err
+        line = one_error_line(run, "get")
+        assert line.endswith(message), line
+        assert "cert_key" not in line and "cert_cert" not in line
+
+
+def test_prefix_without_a_slash_warns_once(cli, etcd: LocalEtcd, prefix: str) -> None:
+    bare = prefix.rstrip("/")
+    run = cli("set", "k", "v", "--endpoints", etcd.endpoint, "--prefix", bare)
+    assert run.code == 0
+    assert run.err.splitlines() == [
+        f"cachedstore set: warning: --prefix {bare!r} does not end with '/': the name 'k' "
+        f"is the key '{bare}k'"]
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=bare) as store:
+        assert store.get("k") == b"v"  # the key really is bare + "k"
+    assert cli("set", "k", "v", *conn(etcd, prefix)).err == ""  # with the slash: silent
+
+
+def test_etcd_on_a_foreign_address_names_host_not_port(cli) -> None:
+    run = cli("etcd", "--host", "192.0.2.1", "--port", str(free_port()))  # TEST-NET-1
+    assert run.code == 3
+    line = one_error_line(run, "etcd")
+    assert "--host 192.0.2.1 is not an address of this machine" in line
+    assert "--port" not in line
 
 
 def test_auth_wrong_password_exits_4_and_env_password_works(
@@ -228,6 +280,55 @@ def test_tls_flags(cli, etcd_factory, prefix: str, tmp_path: Path) -> None:
     assert "TLS" in one_error_line(run, "get")
 
 
+# --------------------------------------------------------------------------- output
+
+
+def test_json_is_json_also_for_a_missing_key(cli, etcd: LocalEtcd, prefix: str) -> None:
+    c = conn(etcd, prefix)
+    run = cli("get", "absent", "--json", *c)
+    assert run.code == 1 and run.json() == {"name": "absent", "found": False}
+    assert "key not found" in one_error_line(run, "get")
+    run = cli("get", "late", "--json", "--timeout", "0.2", *c)
+    assert run.code == 5 and run.json() == {"name": "late", "found": False}
+    put = cli("set", "k", "v", "--json", *c).json()
+    assert put["name"] == "k" and put["ok"] is True and put["revision"] > 0
+    got = cli("get", "k", "--json", *c).json()
+    assert got == {"name": "k", "found": True, "value": "v", "mod_revision": put["revision"],
+                   "version": 1}
+    assert cli("delete", "k", "--json", *c).json() == {"name": "k", "deleted": True}
+    run = cli("delete", "k", "--json", *c)
+    assert run.code == 1 and run.json() == {"name": "k", "deleted": False}
+
+
+def test_binary_values_base64_in_json_and_byte_exact_with_raw(cli, etcd: LocalEtcd,
+                                                              prefix: str) -> None:
+    value = b"\x00\xff\xfebinary\n"
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix) as store:
+        store.set("blob", value)
+        store.set("text", "plain\n")
+    c = conn(etcd, prefix)
+    got = cli("get", "blob", "--json", *c).json()
+    assert "value" not in got and base64.b64decode(got["value_base64"]) == value
+    assert cli("get", "text", "--json", *c).json()["value"] == "plain\n"
+    assert cli("get", "blob", "--raw", *c).out == value  # no newline added
+    assert cli("get", "blob", *c).out == value + b"\n"
+
+
+def test_watch_json_base64_for_binary_values(etcd: LocalEtcd, prefix: str) -> None:
+    proc = start_watch(etcd, prefix, "--count", "2", "--json")
+    try:
+        with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix) as store:
+            store.set("bin", b"\xff\x00")
+            store.set("txt", "ok")
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    first, second = (json.loads(line) for line in out.splitlines())
+    assert base64.b64decode(first["value_base64"]) == b"\xff\x00" and "value" not in first
+    assert second["value"] == "ok"
+
+
 # --------------------------------------------------------------------------- stats, help
 
 
@@ -238,14 +339,22 @@ def test_stats_json_and_text(cli, etcd: LocalEtcd, prefix: str) -> None:
     run = cli("stats", "--json", *c)
     assert run.code == 0
     report = run.json()
-    assert set(report) == {"store", "keys_under_prefix", "etcd", "requests_made_by_this_command"}
+    assert set(report) == {"prefix", "endpoints", "keys_under_prefix", "etcd",
+                           "requests_made_by_this_command"}
     assert report["keys_under_prefix"] == 2
-    assert report["store"]["prefix"] == prefix and report["store"]["watch_up"] is True
+    assert report["prefix"] == prefix and report["endpoints"] == [etcd.endpoint]
     assert report["etcd"]["version"].startswith("3.")
     assert report["etcd"]["revision"] >= 2
-    assert report["requests_made_by_this_command"]["range:ok"] >= 1
+    # a plain client: one count-only range and one status, no preload, no watch
+    assert report["requests_made_by_this_command"] == {"range:ok": 1, "status:ok": 1}
     text = cli("stats", *c).text
-    assert "keys under prefix          2" in text and "etcd version" in text
+    rows = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in text.splitlines())
+    assert rows["keys under prefix"] == "2" and rows["etcd version"].startswith("3.")
+    assert rows["prefix"] == prefix
+    assert rows["etcd member id"] == f"{report['etcd']['member_id']:x}"  # as etcdctl shows it
+    assert rows["etcd requests made"] == "range:ok=1, status:ok=1"
+    for repr_only in ("{", "}", "None", "True", "False", "'"):
+        assert repr_only not in text, text
 
 
 def test_help_on_every_command_documents_exit_codes() -> None:
@@ -388,7 +497,25 @@ def test_grpc_log_lines_are_dropped_from_stderr_others_kept(
         os.write(2, b"a line of ours\n")
         os.write(2, b"unterminated")
     assert capfdbinary.readouterr().err == b"a line of ours\nunterminated"
+
+
+def test_grpc_verbosity_is_set_for_the_command_and_left_alone_when_chosen(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from cachedstore.cli import _quiet_grpc
+
+    monkeypatch.delenv("GRPC_VERBOSITY", raising=False)
+    assert _quiet_grpc() is False  # grpc is imported in this process: too late here...
+    assert os.environ["GRPC_VERBOSITY"] == "NONE"  # ...but children inherit it
     monkeypatch.setenv("GRPC_VERBOSITY", "INFO")  # asked for: kept
-    with _without_grpc_logs():
-        os.write(2, b"I1202 10:36:22.763785     429 x.cc:1] wanted\n")
-    assert capfdbinary.readouterr().err == b"I1202 10:36:22.763785     429 x.cc:1] wanted\n"
+    assert _quiet_grpc() is True and os.environ["GRPC_VERBOSITY"] == "INFO"
+
+
+def test_tls_failure_prints_one_line_without_grpc_logs(etcd_factory, prefix: str,
+                                                       tmp_path: Path) -> None:
+    server = etcd_factory(tls=make_tls_files(tmp_path / "good"))
+    wrong_ca = make_tls_files(tmp_path / "other").ca_cert
+    done = python_m("get", "k", "--endpoints", server.endpoint, "--prefix", prefix,
+                    "--cacert", wrong_ca, "--dial-timeout", "1")
+    assert done.returncode == 3
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "TLS handshake" in done.stderr

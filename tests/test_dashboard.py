@@ -37,16 +37,16 @@ REQUIRED_PANELS: dict[str, str] = {
     "Request latency p50 / p90 / p99": "timeseries",
     "Request latency heatmap": "heatmap",
     "etcd RPC rate by method": "timeseries",
-    "etcd RPC latency by method": "timeseries",
+    "etcd RPC latency": "timeseries",
     "etcd errors by code": "timeseries",
-    "Cache entries": "timeseries",
-    "Cache evictions": "timeseries",
-    "Watch up": "stat",
+    "Cache entries, top 10 instances": "timeseries",
+    "Cache evictions, top 10 instances": "timeseries",
+    "Watches down": "stat",
     "Watch restarts by reason": "timeseries",
-    "Watch revision": "timeseries",
-    "Waiters": "timeseries",
-    "Fills dropped": "timeseries",
-    "Stale reads": "timeseries",
+    "Watch lag, top 10 instances": "timeseries",
+    "Waiters, top 10 instances": "timeseries",
+    "Fills dropped, top 10 instances": "timeseries",
+    "Stale reads, top 10 instances": "timeseries",
 }
 
 # $name, ${name}, ${name:format} and the deprecated [[name]].
@@ -307,3 +307,18 @@ def test_provisioning_files() -> None:
     assert job["scrape_interval"] == "5s"
     targets = [t for sc in job["static_configs"] for t in sc["targets"]]
     assert targets == [f"localhost:{port}" for port in range(9464, 9472)]
+
+
+def test_fleet_scale_queries(dashboard: dict[str, Any]) -> None:
+    """With 8,000 instances: watches down is a count of == 0 (not a sum that one healthy
+    watch turns green), per-instance panels are topk, and the watch lag has a panel."""
+    panels = {p["title"]: p for p in iter_panels(dashboard)}
+    down = panels["Watches down"]["targets"][0]["expr"]
+    assert down.startswith("count(") and "cachedstore_watch_up" in down and "== 0" in down
+    assert "sum(" not in down
+    for title, panel in panels.items():
+        for t in panel.get("targets", []):
+            if "by (instance)" in t["expr"]:
+                assert t["expr"].startswith("topk("), title
+    lag = panels["Watch lag, top 10 instances"]["targets"][0]["expr"]
+    assert "max(" in lag and " - " in lag and "cachedstore_watch_revision" in lag

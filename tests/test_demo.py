@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import select
 import signal
 import socket
 import subprocess
@@ -43,7 +45,7 @@ def check_summary(summary: dict[str, Any], workers: int, rounds: int, hot: int) 
     ops = workers * rounds * (4 + hot) + 1 + rounds  # + the config write, + one "done"/round
     assert cached["operations"] == uncached["operations"] == ops
     assert cached["reads"] == uncached["reads"] == workers * rounds * (workers + 1 + hot)
-    assert 0 < cached["hit_ratio"] <= 1 and uncached["hit_ratio"] == 0
+    assert 0 < cached["hit_ratio"] <= 1 and uncached["hit_ratio"] is None
     assert cached["cache_hits"] + cached["cache_misses"] == cached["reads"]
     for phase in (cached, uncached):
         assert 0 < phase["hot_read_p50_us"] <= phase["hot_read_p99_us"]
@@ -106,7 +108,7 @@ def test_render_table_from_json_summary() -> None:
              "etcd_requests_server": None}
     summary = {"workers": 1, "rounds": 1, "hot_reads_per_round": 1,
                "etcd": {"version": "3.5.1"}, "cached": phase,
-               "uncached": dict(phase, hit_ratio=0.0, etcd_requests_client=40),
+               "uncached": dict(phase, hit_ratio=None, etcd_requests_client=40),
                "reduction": {"etcd_requests_client": 4.0, "etcd_requests_server": None,
                              "hot_read_p50": 1.0, "wall_time": 1.0}}
     console = Console(record=True, width=120)
@@ -257,3 +259,60 @@ def test_uncached_wait_times_out(etcd: LocalEtcd, prefix: str) -> None:
         with pytest.raises(KeyNotFoundError):
             client.mget(["absent"])
         assert client.watch_streams == 1
+
+
+# --------------------------------------------------------------------------- a terminal
+
+
+def _run_in_a_pty(argv: list[str], timeout: float) -> tuple[int, bytes]:
+    """Run ``argv`` with stdin, stdout and stderr on a pseudo-terminal; its exit code and
+    everything it wrote to the terminal."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("CACHEDSTORE_") and k not in ("GRPC_VERBOSITY", "NO_COLOR")}
+    env.update(TERM="xterm-256color", COLUMNS="120", LINES="40")
+    proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env,
+                            close_fds=True, start_new_session=True)
+    os.close(slave)
+    chunks: list[bytes] = []
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 1.0)
+            if not ready:
+                if proc.poll() is not None:
+                    break
+                continue
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: the last writer closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+        code = proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        os.close(master)
+    return code, b"".join(chunks)
+
+
+def test_progress_is_drawn_in_a_terminal() -> None:
+    code, output = _run_in_a_pty(
+        [sys.executable, "-m", "cachedstore", "demo", "--workers", "1", "--rounds", "5",
+         "--hot-reads", "5"], timeout=80)
+    assert code == 0, output.decode(errors="replace")
+    text = output.decode(errors="replace")
+    # rich's live display: the cursor hidden while the bars redraw, the bar glyphs and
+    # both phases' rounds counted up to the total
+    assert "\x1b[?25l" in text
+    assert "━" in text and "5/5" in text and "rounds" in text
+    assert "cached" in text and "uncached" in text
+    assert "wall time" in text  # and the table after it
+    assert not re.search(r"(?m)^[IWEF]\d{4} \d\d:\d\d:\d\d", text), text  # no gRPC logs

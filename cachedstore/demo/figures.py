@@ -143,7 +143,7 @@ def phase_summary(results: list[dict[str, Any]], wall: float,
         "reads": sum(r["reads"] for r in results),
         "cache_hits": int(hits),
         "cache_misses": int(misses),
-        "hit_ratio": round(hits / (hits + misses), 4) if hits + misses else 0.0,
+        "hit_ratio": round(hits / (hits + misses), 4) if hits + misses else None,
     }
     for key, _, unit in LATENCIES:
         samples, (scale, digits) = merged(key), UNITS[unit]

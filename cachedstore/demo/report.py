@@ -6,6 +6,7 @@ the JSON form of the summary is printed by the CLI as it is.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from .figures import LATENCIES, UNITS
@@ -59,7 +60,10 @@ class Progress:
 
     def __exit__(self, *exc: object) -> None:
         if self._progress is not None:
-            self._progress.stop()
+            # After SIGHUP the terminal may be gone (EIO): that must not replace the
+            # interrupt being handled.
+            with contextlib.suppress(OSError):
+                self._progress.stop()
 
 
 def _fmt_seconds(value: float) -> str:

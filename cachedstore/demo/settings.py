@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry
 
 from ..config import StoreConfig
 from ..connection import Credentials
+from ..console import CommandError
 from ..metrics import StoreMetrics
 from .uncached import UncachedClient
 
@@ -16,12 +17,8 @@ from .uncached import UncachedClient
 MODES = ("cached", "uncached")
 
 
-class DemoError(Exception):
+class DemoError(CommandError):
     """The demo cannot run or went wrong; ``exit_code`` follows the CLI's exit codes."""
-
-    def __init__(self, message: str, exit_code: int = 3) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from ..console import exit_code_for, one_line
+from ..server.process import die_with_parent
 from .figures import client_counts, increments
 from .settings import MODES, DemoSettings
 
@@ -107,11 +109,16 @@ def run_phase(mode: str, spec: WorkerSpec, registry: CollectorRegistry,
 def worker_main(spec: WorkerSpec, go: Sequence[Any], abort: Any, out: Any) -> None:
     """Entry point of a worker process (spawned): wait for each phase's go, run it.
 
-    Ignores SIGINT (Ctrl-C is the parent's to handle); returns when ``abort`` is set or the
-    parent is gone; reports any exception to the parent as one ``error`` message.
+    Ignores SIGINT and SIGHUP (the parent's to handle) and is SIGKILLed by the kernel when
+    the parent dies; returns when ``abort`` is set or the parent is gone; reports any
+    exception to the parent as one ``error`` message. Unless both phases finished, exits
+    without waiting for the queue's feeder to flush (nobody may be reading).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # so is a closed terminal
+    die_with_parent(spec.parent_pid)  # SIGKILLed when the parent dies, however it dies
     server = None
+    finished = False
     try:
         registry = CollectorRegistry()
         if spec.settings.metrics_port is not None:
@@ -125,10 +132,14 @@ def worker_main(spec: WorkerSpec, go: Sequence[Any], abort: Any, out: Any) -> No
                 if abort.is_set() or os.getppid() != spec.parent_pid:
                     return
             out.put(("done", spec.rank, run_phase(mode, spec, registry, out.put)))
+        finished = True
     except BaseException as exc:  # reported to the parent, which prints one line
-        from ..cli import exit_code_for, one_line
-
         out.put(("error", spec.rank, (exit_code_for(exc), one_line(exc))))
     finally:
         if server is not None:
             server.close()
+        if not finished:
+            # The parent may have stopped reading (it stops us after an error, or is
+            # gone): exiting must not block joining the queue's feeder thread on a full
+            # pipe. After the last phase the parent reads everything: flush then.
+            out.cancel_join_thread()

@@ -3,28 +3,45 @@
 :class:`ManagedProcess` launches a child in its own process group (so signals reach
 whatever it forks), appends its output to a log file, and registers itself in a
 module-level table while the child may be running; an :mod:`atexit` hook SIGKILLs
-whatever is still registered when the interpreter exits. Also here: :func:`free_port`,
-``host:port`` formatting, a proxy-free HTTP GET, the log tail quoted by start errors and
-the environment handed to children.
+whatever is still registered when the interpreter exits.
+
+Children die with their parent even when it cannot clean up (SIGKILL, ``os._exit``):
+
+* a child launched from the main thread asks the kernel for SIGKILL when its parent dies
+  (``prctl(PR_SET_PDEATHSIG)``, :func:`die_with_parent`; the kernel ties it to the thread
+  that forked, so children of other threads rely on the janitor alone);
+* a *janitor* process (one per parent process, started with the first child, in its own
+  session) holds the read end of a pipe from the parent. When the parent is gone the pipe
+  reads EOF and the janitor SIGKILLs the process groups still registered and removes their
+  working directories (only ones under the system's temporary directory), then exits. A
+  parent that exits normally has unregistered everything, so its janitor just exits.
+
+Also here: :func:`free_port`, ``host:port`` formatting, a proxy-free HTTP GET, the log
+tail quoted by start errors and the environment handed to children.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import ipaddress
+import json
 import os
 import shutil
 import signal
 import socket
 import ssl
 import subprocess
+import sys
+import tempfile
 import threading
 import time
 import urllib.request
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import cast
 
 DEFAULT_HOST = "127.0.0.1"
 #: Seconds ``stop()`` waits after SIGTERM before it sends SIGKILL.
@@ -112,6 +129,13 @@ class ManagedProcess:
     def launch(
         self, cmd: Sequence[str], *, log_path: Path, env: Mapping[str, str], cwd: Path
     ) -> None:
+        """Start ``cmd`` in its own session, output appended to ``log_path``.
+
+        ``cwd`` is the child's private directory: if this process dies without cleaning
+        up, the janitor removes it (when it lies under the temporary directory) after
+        killing the child. Raises RuntimeError if a child is already running, OSError if
+        it cannot be started.
+        """
         with self._lock:
             if self.running():
                 raise RuntimeError(f"{self.label} is already running (pid {self.pid})")
@@ -130,10 +154,13 @@ class ManagedProcess:
                     env=dict(env),
                     cwd=str(cwd),
                     start_new_session=True,
+                    # prctl + getppid only, resolved before the fork (see below)
+                    preexec_fn=_pdeathsig_preexec(),
                 )
             self.paused = False
             with _LIVE_LOCK:
                 _LIVE.add(self)
+            _JANITOR.watch(self.popen.pid, Path(cwd))
 
     def _signal_group(self, sig: int) -> None:
         popen = self.popen
@@ -176,6 +203,7 @@ class ManagedProcess:
             self.paused = False
             with _LIVE_LOCK:
                 _LIVE.discard(self)
+            _JANITOR.forget_pid(popen.pid)
             return code
 
     def terminate(self, grace: float = STOP_GRACE) -> int | None:
@@ -212,6 +240,7 @@ def cleanup(proc: ManagedProcess, tmp_root: Path) -> None:
     with contextlib.suppress(Exception):
         proc.kill()
     shutil.rmtree(tmp_root, ignore_errors=True)
+    _JANITOR.forget_dir(tmp_root)
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES, offset: int = 0) -> str:
@@ -230,3 +259,161 @@ def child_env(extra: Mapping[str, str] | None, strip_prefix: str) -> dict[str, s
     env = {k: v for k, v in os.environ.items() if not k.startswith(strip_prefix)}
     env.update(extra or {})
     return env
+
+
+# --------------------------------------------------------------------------- dying together
+
+#: ``prctl`` option: the signal this process gets when its parent (thread) dies.
+PR_SET_PDEATHSIG = 1
+_libc: ctypes.CDLL | None = None
+
+
+def _prctl() -> Callable[..., int]:
+    """libc's ``prctl``, loaded once in the parent (never between fork and exec)."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    return cast(Callable[..., int], _libc.prctl)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies; exit at once (code 1)
+    if the parent, ``parent_pid``, is already gone. Linux only; a no-op elsewhere.
+
+    The kernel sends the signal when the parent *thread* that forked this process ends,
+    so the parent must fork from a thread that lives as long as it (the main thread).
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    _prctl()(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _pdeathsig_preexec() -> Callable[[], None] | None:
+    """The ``preexec_fn`` that makes a child die with this process: only for children
+    forked by the main thread (see :func:`die_with_parent`). ``prctl`` is resolved here,
+    before the fork, so the child only calls a C function and ``getppid``."""
+    if not sys.platform.startswith("linux") or \
+            threading.current_thread() is not threading.main_thread():
+        return None
+    prctl, parent = _prctl(), os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
+
+
+#: The janitor's program (stdlib only, run with ``python -I -S``): JSON lines on stdin
+#: register/unregister process groups and directories; at EOF it cleans up what is left.
+_JANITOR_SCRIPT = r"""
+import json, os, shutil, signal, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGHUP, signal.SIG_IGN)
+pids, dirs = {}, set()
+for line in sys.stdin:
+    verb, arg, *rest = json.loads(line)
+    if verb == "pid": pids[arg] = rest[0]
+    elif verb == "unpid": pids.pop(arg, None)
+    elif verb == "dir": dirs.add(arg)
+    elif verb == "undir": dirs.discard(arg)
+def started(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[19]
+    except OSError:
+        return None
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+victims = [pid for pid, start in pids.items() if start is not None and started(pid) == start]
+for pid in victims:
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+            break
+        except OSError:
+            pass
+deadline = time.monotonic() + 10
+while any(alive(pid) for pid in victims) and time.monotonic() < deadline:
+    time.sleep(0.05)
+for path in dirs:
+    shutil.rmtree(path, ignore_errors=True)
+"""
+
+
+def _start_time(pid: int) -> str | None:
+    """Field 22 of ``/proc/<pid>/stat`` (start time in clock ticks): with the pid, it names
+    one process, so a recycled pid is never killed by mistake."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[19]
+    except OSError:
+        return None
+
+
+class _Janitor:
+    """This process's janitor (see the module docstring). Thread-safe; best effort: if the
+    janitor cannot be started or has died, registering is silently a no-op."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._owner = 0
+
+    def _send(self, *record: object) -> None:
+        line = (json.dumps(record) + "\n").encode()
+        with self._lock:
+            if self._proc is None or self._owner != os.getpid():
+                self._start()
+            proc = self._proc
+            if proc is None or proc.stdin is None:
+                return
+            try:
+                proc.stdin.write(line)
+                proc.stdin.flush()
+            except OSError:
+                pass
+
+    def _start(self) -> None:
+        self._owner = os.getpid()
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _JANITOR_SCRIPT], stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True, cwd="/")
+        except OSError:
+            self._proc = None
+
+    def watch(self, pid: int, directory: Path) -> None:
+        """Kill process group ``pid`` and remove ``directory`` (if under the temporary
+        directory) should this process die first."""
+        self._send("pid", pid, _start_time(pid))
+        tmp = Path(tempfile.gettempdir()).resolve()
+        resolved = directory.resolve()
+        if resolved != tmp and tmp in resolved.parents:
+            self._send("dir", str(resolved))
+
+    def forget_pid(self, pid: int) -> None:
+        if self._proc is not None:
+            self._send("unpid", pid)
+
+    def forget_dir(self, directory: Path) -> None:
+        if self._proc is not None:
+            self._send("undir", str(directory.resolve()))
+
+    def _after_fork_in_child(self) -> None:
+        # The pipe belongs to the parent's janitor; a forked child starts its own if needed.
+        # The lock may have been held by another thread at the fork: a fresh one.
+        self._lock = threading.Lock()
+        self._proc, self._owner = None, 0
+
+
+_JANITOR = _Janitor()
+os.register_at_fork(after_in_child=_JANITOR._after_fork_in_child)

@@ -1,0 +1,233 @@
+"""A plain etcd v3 client without a cache: :class:`EtcdClient`.
+
+What the CLI's one-shot commands (``get``, ``set``, ``delete``, ``stats``) and the demo's
+uncached contender use. It reads nothing it was not asked for (no preload of the prefix,
+no watch of it): every call is one request, or a few for a compare-and-swap loop. A blocking
+wait reads the key and, while it is absent, watches that one key from the revision of the
+read (no polling, no missed put).
+
+Built on :class:`~cachedstore.connection.Connection` (failover, TLS, auth tokens, error
+translation) and the request builders of :mod:`cachedstore.etcdapi`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import grpc
+
+from . import etcdapi
+from .config import StoreConfig
+from .connection import Connection, Credentials, parse_endpoint, translate_rpc_error
+from .errors import (
+    EtcdConnectionError,
+    EtcdError,
+    KeyNotFoundError,
+    StoreTimeoutError,
+)
+from .keys import KeySpace, to_value
+from .metrics import NullMetrics, StoreMetrics
+
+__all__ = ["EtcdClient", "KeyValue"]
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    """One key as etcd holds it: the value and its revisions (etcd's ``mvccpb.KeyValue``)."""
+
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    version: int
+
+
+def _timed_out(key: bytes, timeout: float | None) -> StoreTimeoutError:
+    """The error of a blocking wait for ``key`` whose ``timeout`` ran out."""
+    return StoreTimeoutError(f"timed out after {timeout:g} s waiting for key {key!r}")
+
+
+def _key_value(kv: Any) -> KeyValue:
+    return KeyValue(bytes(kv.value), kv.create_revision, kv.mod_revision, kv.version)
+
+
+class EtcdClient:
+    """A bare etcd v3 client for one prefix: ``get``, ``mget``, ``set``, ``delete``, ``add``.
+
+    Every read is one request; ``add`` is a read then a compare-and-swap Txn until it
+    sticks; a blocking wait is one range plus, while the key is absent, one watch stream on
+    that key. RPCs are counted in ``metrics`` like the store's (watch streams as method
+    ``watch``). Not thread-safe (one per thread); every call blocks for its round trips,
+    each bounded by ``config.request_timeout``. The constructor authenticates (when
+    credentials are given) within ``config.connect_timeout``. Raises cachedstore errors
+    only.
+    """
+
+    def __init__(self, endpoints: Sequence[str], credentials: Credentials,
+                 config: StoreConfig, metrics: StoreMetrics | NullMetrics, prefix: str) -> None:
+        self._keys = KeySpace(prefix, config.max_request_bytes)
+        self._conn = Connection([parse_endpoint(e) for e in endpoints], credentials, config,
+                                metrics)
+        self._metrics = metrics
+        #: Watch streams opened by blocking waits so far.
+        self.watch_streams = 0
+        try:
+            self._conn.authenticate(self._conn.deadline(config.connect_timeout))
+        except BaseException:
+            self._conn.close()
+            raise
+
+    @property
+    def targets(self) -> list[str]:
+        """The endpoints, as ``host:port``."""
+        return self._conn.targets
+
+    def _key(self, name: str | bytes) -> bytes:
+        return self._keys.key(self._keys.canonical(name))
+
+    def _call(self, method: str, request: Any) -> Any:
+        return self._conn.call(method, request, deadline=self._conn.deadline())
+
+    # -- reads --------------------------------------------------------------------------
+    def get(self, name: str | bytes, timeout: float | None = None) -> bytes:
+        """The value of ``name``: one range; if absent and ``timeout`` is given, wait up to
+        ``timeout`` seconds for its creation (StoreTimeoutError), else KeyNotFoundError."""
+        return self.get_kv(name, timeout).value
+
+    def get_kv(self, name: str | bytes, timeout: float | None = None) -> KeyValue:
+        """Like :meth:`get`, with the key's revisions."""
+        key = self._key(name)
+        response = self._call("range", etcdapi.range_key(key))
+        if response.kvs:
+            return _key_value(response.kvs[0])
+        if timeout is None:
+            raise KeyNotFoundError(name)
+        return self._wait(key, response.header.revision, time.monotonic() + timeout, timeout)
+
+    def mget(self, names: Sequence[str | bytes], timeout: float | None = None) -> list[bytes]:
+        """One Txn of ranges (at most ``max_txn_ops`` names); absent keys waited for as in
+        :meth:`get`, all within one ``timeout``."""
+        keys = [self._key(n) for n in names]
+        response = self._call("txn", etcdapi.txn(
+            success=[etcdapi.op_range(etcdapi.range_key(k)) for k in keys]))
+        revision = response.header.revision
+        deadline = None if timeout is None else time.monotonic() + timeout
+        values = []
+        for name, key, op in zip(names, keys, response.responses, strict=True):
+            kvs = op.response_range.kvs
+            if kvs:
+                values.append(bytes(kvs[0].value))
+            elif deadline is None:
+                raise KeyNotFoundError(name)
+            else:
+                values.append(self._wait(key, revision, deadline, timeout).value)
+        return values
+
+    def count(self) -> int:
+        """How many keys are under the prefix (one count-only range)."""
+        return int(self._call("range", etcdapi.range_prefix(
+            self._keys.range_start, self._keys.range_end, count_only=True)).count)
+
+    def status(self) -> Any:
+        """etcd's Maintenance.Status of the endpoint in use (version, db size, leader...)."""
+        from etcd3 import etcdrpc
+
+        return self._call("status", etcdrpc.StatusRequest())
+
+    # -- writes -------------------------------------------------------------------------
+    def set(self, name: str | bytes, value: str | bytes) -> int:
+        """One put; returns the revision etcd assigned."""
+        key, data = self._key(name), to_value(value)
+        self._keys.check_size(key, data)
+        return int(self._call("put", etcdapi.put(key, data)).header.revision)
+
+    def delete(self, name: str | bytes) -> bool:
+        """One delete; whether the key existed."""
+        return bool(self._call("delete_range", etcdapi.delete(self._key(name))).deleted)
+
+    def add(self, name: str | bytes, amount: int = 1) -> int:
+        """Read the counter, then compare-and-swap it on its mod_revision until it sticks;
+        returns the new value."""
+        key = self._key(name)
+        deadline = self._conn.deadline()
+        response = self._conn.call("range", etcdapi.range_key(key), deadline=deadline)
+        found = response.kvs[0] if response.kvs else None
+        while True:
+            if found is None:
+                new, compare = amount, etcdapi.absent(key)
+            else:
+                new = int(found.value) + amount
+                compare = etcdapi.unmodified(key, found.mod_revision)
+            request = etcdapi.txn(
+                compare=[compare],
+                success=[etcdapi.op_put(etcdapi.put(key, str(new).encode()))],
+                failure=[etcdapi.op_range(etcdapi.range_key(key))])
+            txn = self._conn.call("txn", request, deadline=deadline)
+            if txn.succeeded:
+                return new
+            kvs = txn.responses[0].response_range.kvs
+            found = kvs[0] if kvs else None
+
+    def delete_prefix(self) -> int:
+        """Delete every key under the prefix; returns how many existed."""
+        return int(self._call("delete_range", etcdapi.delete(
+            self._keys.range_start, range_end=self._keys.range_end)).deleted)
+
+    # -- waiting ------------------------------------------------------------------------
+    def _wait(self, key: bytes, revision: int, deadline: float, timeout: float | None
+              ) -> KeyValue:
+        """Watch ``key`` from ``revision + 1`` until it is put; one watch stream."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise _timed_out(key, timeout)
+        done = threading.Event()
+        create = etcdapi.watch_create(key, b"", revision + 1)
+
+        def requests() -> Any:
+            yield create
+            done.wait()  # keep the send side open: etcd ends a half-closed stream
+
+        _, endpoint = self._conn.endpoint()
+        self.watch_streams += 1
+        started = time.perf_counter()
+        code = "ok"
+        call = cast(Any, endpoint).watch.Watch(requests(), timeout=remaining,
+                                               metadata=self._conn.metadata())
+        try:
+            for response in call:
+                if response.canceled:
+                    code = "CANCELLED"
+                    raise EtcdError(f"etcd canceled the watch on {key!r}: "
+                                    f"{response.cancel_reason or 'no reason given'}")
+                for event in response.events:
+                    if event.type == etcdapi.EVENT_PUT:
+                        return _key_value(event.kv)
+            code = "ENDED"
+            raise EtcdConnectionError(f"the watch on {key!r} ended without the key")
+        except grpc.RpcError as exc:
+            status = exc.code() if hasattr(exc, "code") else None
+            code = status.name if status is not None else "UNKNOWN"
+            details = (exc.details() if hasattr(exc, "details") else "") or ""
+            # etcd may notice the deadline first and answer UNKNOWN "context deadline exceeded"
+            if status is grpc.StatusCode.DEADLINE_EXCEEDED \
+                    or "deadline exceeded" in details.lower():
+                raise _timed_out(key, timeout) from None
+            raise translate_rpc_error(exc, "watch") from exc
+        finally:
+            done.set()
+            call.cancel()
+            self._metrics.rpc("watch", code, time.perf_counter() - started)
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the channels. Idempotent."""
+        self._conn.close()
+
+    def __enter__(self) -> EtcdClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
