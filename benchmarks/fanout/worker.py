@@ -66,12 +66,22 @@ class RankGroup:
         self.aborted = False
 
     def connect(self) -> int:
-        """Build every rank's store (sequentially); returns how many were built."""
+        """Build every rank's store; returns how many were built.
+
+        ``EtcdStore``s are built one after another; TCPStore clients 64 at a time (on a
+        machine without DNS the server stalls ~10 s in reverse lookups of new clients,
+        which concurrent construction pays once per batch rather than per client).
+        """
         import torch.distributed as dist
 
         options = dict(self.pattern.store_options) if self.backend["kind"] == "etcd" else {}
-        for rank in self.ranks:
-            inner = _make_store(self.backend, self.timeout, options)
+        if self.backend["kind"] == "tcp":
+            with cf.ThreadPoolExecutor(64, thread_name_prefix="fanout-connect") as pool:
+                inners = list(pool.map(lambda _: _make_store(self.backend, self.timeout, {}),
+                                       self.ranks))
+        else:
+            inners = [_make_store(self.backend, self.timeout, options) for _ in self.ranks]
+        for rank, inner in zip(self.ranks, inners, strict=True):
             self._inner.append(inner)
             store = RecordingStore(inner, self._logs[rank])
             self._ctx.append(RankContext(
