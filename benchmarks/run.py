@@ -6,7 +6,10 @@
 Runs ``pytest benchmarks`` (pytest-benchmark) in a child process against one throw-away
 etcd, writes ``benchmarks/out/results.json`` (every workload's numbers and the machine) and
 ``benchmarks/out/pytest-benchmark.json`` (pytest-benchmark's raw statistics), then draws the
-plots and the tables. torch's v2 EtcdStore is measured when ``python-etcd`` is installed
+plots and the tables. ``--fanout 16,64`` also runs issue 11's fan-out benchmark
+(``python -m benchmarks.fanout``: W simulated ranks, each with its own store) and rewrites
+``benchmarks/FANOUT.md`` and ``plots/fanout_*.png``; ``--fanout-only`` runs just that.
+torch's v2 EtcdStore is measured when ``python-etcd`` is installed
 (``pip install python-etcd``); without it that contender is left out, with a note.
 """
 
@@ -35,7 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-report", action="store_true",
                         help="do not rewrite RESULTS.md and plots/")
     parser.add_argument("-k", dest="keyword", help="only benchmarks matching (pytest -k)")
+    parser.add_argument("--fanout", metavar="WS",
+                        help="also run the fan-out benchmark for these W (e.g. 16,64)")
+    parser.add_argument("--fanout-only", action="store_true",
+                        help="run only the fan-out benchmark (--fanout, default 16,64)")
     args = parser.parse_args(argv)
+    if args.fanout_only:
+        return fanout(args.fanout or "16,64")
     scale = args.scale or ("quick" if args.quick else "full")
     os.makedirs(args.out, exist_ok=True)
     results_path = os.path.join(args.out, "results.json")
@@ -72,7 +81,18 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(report.table(["target", "measured", ""], report.targets(results)))
     print(f"\nbenchmarks took {elapsed:.0f} s (pytest exit code {code})")
+    if args.fanout:
+        code = fanout(args.fanout) or code
     return code
+
+
+def fanout(ws: str) -> int:
+    """The fan-out section: ``python -m benchmarks.fanout --ws WS`` in a child process."""
+    cmd = [sys.executable, "-m", "benchmarks.fanout", "--ws", ws]
+    print(f"$ {' '.join(cmd)}", flush=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    return subprocess.call(cmd, cwd=ROOT, env=env, timeout=3600)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,74 @@
+"""``python -m benchmarks.fanout``: run the fan-out benchmark and write ``FANOUT.md``.
+
+    python -m benchmarks.fanout --ws 16,64            # development sizes
+    nice -n 15 python -m benchmarks.fanout --ws 256 --budget 90 --no-extras
+    python -m benchmarks.fanout --report-only         # redraw from saved results
+
+Each W runs against a fresh single-member etcd and writes ``results/W<w>.json`` in
+``--results`` (default: ``benchmarks/fanout/results``); ``--extras`` (default on) measures
+host sharing and CPU per watch event into ``extras.json``. Then ``benchmarks/FANOUT.md`` and
+``benchmarks/plots/fanout_*.png`` are rebuilt from every saved W.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from .patterns import PATTERNS
+from .report import build
+from .suite import run_extras, run_world
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH = os.path.dirname(HERE)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.fanout",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ws", default="16,64", help="comma-separated W values")
+    parser.add_argument("--patterns", default=",".join(PATTERNS))
+    parser.add_argument("--budget", type=float, default=120.0,
+                        help="seconds per pattern before it is aborted (DNF)")
+    parser.add_argument("--max-seconds", type=float, default=540.0,
+                        help="per W: start no pattern after this many seconds")
+    parser.add_argument("--processes", type=int, default=None,
+                        help="worker processes (default: 0 up to W=64, else 4)")
+    parser.add_argument("--results", default=os.path.join(HERE, "results"))
+    parser.add_argument("--extras", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--report-only", action="store_true")
+    args = parser.parse_args(argv)
+    from cachedstore.server import LocalEtcd
+
+    os.makedirs(args.results, exist_ok=True)
+    command = "python -m benchmarks.fanout " + " ".join(argv if argv is not None
+                                                        else sys.argv[1:])
+    if not args.report_only:
+        patterns = [p for p in args.patterns.split(",") if p]
+        for w in (int(x) for x in args.ws.split(",") if x):
+            with LocalEtcd() as etcd:
+                run = run_world(w, etcd.endpoint, etcd.metrics_url, patterns=patterns,
+                                budget=args.budget, max_seconds=args.max_seconds,
+                                processes=args.processes)
+            run["date"] = time.strftime("%Y-%m-%d %H:%M %Z")
+            run["loadavg"] = [round(x, 1) for x in os.getloadavg()]
+            run["command"] = command
+            with open(os.path.join(args.results, f"W{w}.json"), "w") as f:
+                json.dump(run, f, indent=1, sort_keys=True)
+        if args.extras:
+            with LocalEtcd() as etcd:
+                extras = run_extras(etcd.endpoint, etcd.metrics_url)
+            extras["date"] = time.strftime("%Y-%m-%d %H:%M %Z")
+            with open(os.path.join(args.results, "extras.json"), "w") as f:
+                json.dump(extras, f, indent=1, sort_keys=True)
+    made = build(args.results, os.path.join(BENCH, "FANOUT.md"),
+                 os.path.join(BENCH, "plots"), "python -m benchmarks.fanout")
+    print(f"wrote {os.path.join(BENCH, 'FANOUT.md')} and plots/{', plots/'.join(made)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""torch's coordination traffic, as each simulated rank issues it: :data:`PATTERNS`.
+
+Every pattern is written against the ``torch.distributed.Store`` API only, so the same code
+drives a rank's ``TorchEtcdStore`` and a rank's ``TCPStore`` client. Key names and call
+sequences follow torch 2.13's sources:
+
+- ``nccl_broadcast`` -- ``ProcessGroupNCCL::broadcastUniqueNCCLID`` (W ≤ 128: rank 0
+  ``set``s the 128-byte id under key ``"0"``, every other rank blocks in ``get``) and
+  ``allgatherUniqueNCCLIDs`` (W > 128: ``ceil(W/128)`` roots picked by ``getRootIndex`` each
+  ``set`` ``UniqueNCCLID:r``, every rank ``multi_get``s them all), on the default group's
+  store ``PrefixStore("cuda/", PrefixStore("0/", PrefixStore("default_pg", store)))``;
+- ``store_barrier`` -- ``distributed_c10d._store_based_barrier`` itself (``add(k, 1)``,
+  ``add(k, 0)``, whoever counts W sets ``k:last_worker``, all ``wait``), as
+  ``TORCH_DIST_INIT_BARRIER=1`` runs it after ``init_process_group``;
+- ``store_api_barrier`` -- torch 2.13's ``Store.barrier(key, W)``: the store's own when its
+  class overrides it, else torch's default (``add``, last sets a key, ``wait``);
+- ``elastic_barrier`` -- ``torch.distributed.elastic.utils.store.barrier``; when
+  ``EtcdStore`` has a ``barrier`` of its own, that is called instead (see
+  :func:`elastic_barrier_impl`);
+- ``groups`` -- Megatron-like process groups (TP 8 × PP ≤ 4 × DP the rest), created in
+  Megatron's order (DP, TP, PP) with torch's sequential group names ``"1"``, ``"2"`` ...;
+  in each of its three groups a rank runs gloo's ``createAndConnectAllPairs`` (``set`` its
+  own key, ``multi_get`` all group keys in batches of 128, under ``PrefixStore("cpu/")``)
+  and the NCCL-id broadcast (under ``PrefixStore("cuda/")``);
+- ``heartbeat`` / ``heartbeat_uncached`` -- the NCCL heartbeat monitor's
+  ``check(["exception_dump"])`` on the global store, once per simulated second (the second
+  variant's stores are built with ``preload_limit=0``: their cache is not complete);
+- ``keepalive`` -- torchrun's rendezvous keep-alive: one agent per 8 ranks, each
+  ``compare_set``s the one state key every 5 simulated seconds (agents staggered over the 5
+  seconds); a lost race adopts the returned state and retries, like torch's state holder.
+
+A pattern is a number of *steps*; all ranks run a step concurrently, and steps are separated
+by a job-wide barrier of the simulator (not of the store). Simulated seconds are steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["PATTERNS", "Pattern", "RankContext", "megatron_groups", "nccl_root_index"]
+
+#: ``TORCH_NCCL_RANKS_PER_ROOT``'s default.
+RANKS_PER_ROOT = 128
+#: gloo's ``kDefaultBatchSize`` for ``multi_get``.
+GLOO_BATCH = 128
+NCCL_ID = b"\x5a" * 128
+RANKS_PER_NODE = 8
+KEEPALIVE_PERIOD = 5
+MAX_CAS_ATTEMPTS = 1_000
+
+
+@dataclass
+class RankContext:
+    """What one simulated rank's step sees.
+
+    ``store`` is the rank's raw store (wrapped in a recording store); ``default_store`` is
+    ``PrefixStore("default_pg", store)`` as ``init_process_group`` makes it. ``etcd_store``
+    is the rank's ``cachedstore.EtcdStore`` (None for TCPStore). ``scratch`` survives steps.
+    """
+
+    rank: int
+    world: int
+    store: dist.Store
+    default_store: dist.Store
+    etcd_store: Any
+    timeout: timedelta
+    scratch: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """A named coordination pattern: ``steps(world)`` steps, each run by every rank.
+
+    ``store_options`` are ``EtcdStore`` keywords for the ranks' stores in this pattern.
+    """
+
+    name: str
+    title: str
+    step: Callable[[RankContext, int], None]
+    steps: Callable[[int], int] = lambda world: 1
+    store_options: Mapping[str, Any] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- NCCL ids
+
+
+def nccl_root_index(rank: int, n_ranks: int, n_ids: int) -> int:
+    """torch's ``getRootIndex``: the root slot of ``rank``, or -1 if it is not a root."""
+    rmr, rpr = n_ranks % n_ids, n_ranks // n_ids
+    rlim = rmr * (rpr + 1)
+    if rank < rlim:
+        return -1 if rank % (rpr + 1) else rank // (rpr + 1)
+    return -1 if (rank - rlim) % rpr else (rank - rlim) // rpr + rmr
+
+
+def nccl_init(store: dist.Store, group_rank: int, group_size: int) -> None:
+    """One communicator init on ``store`` (the group's ``cuda/`` prefix store)."""
+    if group_size <= RANKS_PER_ROOT:
+        if group_rank == 0:
+            store.set("0", NCCL_ID)
+        elif group_size > 1 and len(store.get("0")) != len(NCCL_ID):
+            raise AssertionError("bad NCCL id")
+        return
+    n_roots = math.ceil(group_size / RANKS_PER_ROOT)
+    keys = [f"UniqueNCCLID:{r}" for r in range(n_roots)]
+    root = nccl_root_index(group_rank, group_size, n_roots)
+    if root >= 0:
+        store.set(keys[root], NCCL_ID)
+    if any(len(v) != len(NCCL_ID) for v in store.multi_get(keys)):
+        raise AssertionError("bad NCCL id")
+
+
+def _default_cuda_store(ctx: RankContext) -> dist.Store:
+    if "cuda0" not in ctx.scratch:
+        ctx.scratch["cuda0"] = dist.PrefixStore("cuda/", dist.PrefixStore("0/", ctx.default_store))
+    return ctx.scratch["cuda0"]
+
+
+def _nccl_broadcast(ctx: RankContext, step: int) -> None:
+    nccl_init(_default_cuda_store(ctx), ctx.rank, ctx.world)
+
+
+# --------------------------------------------------------------------------- barriers
+
+
+def _store_barrier(ctx: RankContext, step: int) -> None:
+    from torch.distributed.distributed_c10d import _store_based_barrier
+
+    _store_based_barrier(ctx.rank, ctx.default_store, "0", ctx.world, ctx.timeout)
+
+
+def _store_api_barrier(ctx: RankContext, step: int) -> None:
+    ctx.default_store.barrier("fanout_barrier", ctx.world, ctx.timeout)
+
+
+def elastic_barrier_impl() -> str:
+    """``"EtcdStore.barrier"`` if this cachedstore has one, else torch's elastic barrier."""
+    from cachedstore import EtcdStore
+
+    return "EtcdStore.barrier" if hasattr(EtcdStore, "barrier") else "torch elastic barrier"
+
+
+def _elastic_barrier(ctx: RankContext, step: int) -> None:
+    key = "torchelastic/fanout_barrier"
+    if ctx.etcd_store is not None and hasattr(ctx.etcd_store, "barrier"):
+        # Called like torch's Store.barrier(key, world_size, timeout); the elastic keys live
+        # under the default prefix as torchelastic's store.barrier would put them.
+        ctx.etcd_store.barrier("default_pg/" + key, ctx.world, ctx.timeout.total_seconds())
+        return
+    from torch.distributed.elastic.utils.store import barrier
+
+    barrier(ctx.default_store, ctx.world, key, barrier_timeout=ctx.timeout.total_seconds())
+
+
+# --------------------------------------------------------------------------- groups
+
+
+def megatron_groups(world: int, tp: int = 8, pp: int = 4) -> list[list[int]]:
+    """Megatron-LM's groups for ``world`` ranks, in creation order: DP, then TP, then PP.
+
+    ``tp`` and ``pp`` shrink to fit small worlds (TP ≤ world, PP ≤ world / TP); DP takes the
+    rest. Rank layout: TP fastest, then DP, then PP.
+    """
+    tp = min(tp, world)
+    pp = max(1, min(pp, world // tp))
+    dp = world // (tp * pp)
+    if tp * pp * dp != world:
+        raise ValueError(f"world {world} is not a multiple of TP {tp} x PP {pp}")
+    groups: list[list[int]] = []
+    for i in range(pp):  # data-parallel groups
+        for j in range(tp):
+            groups.append([i * tp * dp + j + k * tp for k in range(dp)])
+    for i in range(world // tp):  # tensor-parallel groups
+        groups.append(list(range(i * tp, (i + 1) * tp)))
+    stride = world // pp
+    for j in range(stride):  # pipeline-parallel groups
+        groups.append([j + k * stride for k in range(pp)])
+    return groups
+
+
+def gloo_connect(store: dist.Store, group_rank: int, group_size: int) -> None:
+    """gloo's ``createAndConnectAllPairs``: set own rank info, ``multi_get`` every rank's."""
+    store.set(str(group_rank), b"h" * 48)
+    keys = [str(r) for r in range(group_size)]
+    for start in range(0, group_size, GLOO_BATCH):
+        store.multi_get(keys[start:start + GLOO_BATCH])
+
+
+def _groups(ctx: RankContext, step: int) -> None:
+    for index, ranks in enumerate(megatron_groups(ctx.world)):
+        if ctx.rank not in ranks:
+            continue  # torch names the group anyway: names stay sequential on every rank
+        group = dist.PrefixStore(f"{index + 1}/", ctx.default_store)
+        group_rank = ranks.index(ctx.rank)
+        gloo_connect(dist.PrefixStore("0", dist.PrefixStore("cpu/", group)), group_rank,
+                     len(ranks))
+        nccl_init(dist.PrefixStore("cuda/", group), group_rank, len(ranks))
+
+
+# --------------------------------------------------------------------------- steady state
+
+HEARTBEAT_SECONDS = 10
+KEEPALIVE_SECONDS = 10
+
+
+def _heartbeat(ctx: RankContext, step: int) -> None:
+    if ctx.store.check(["exception_dump"]):
+        raise AssertionError("nobody set exception_dump")
+
+
+def _keepalive(ctx: RankContext, step: int) -> None:
+    if ctx.rank % RANKS_PER_NODE:
+        return  # one agent per node
+    agent = ctx.rank // RANKS_PER_NODE
+    if step % KEEPALIVE_PERIOD != agent % KEEPALIVE_PERIOD:
+        return
+    key = "torch.rendezvous.fanout"
+    known: bytes = ctx.scratch.get("state", b"")
+    for _attempt in range(MAX_CAS_ATTEMPTS):
+        state = json.loads(known) if known else {"round": 0, "last_heartbeats": {}}
+        state["last_heartbeats"][str(agent)] = step
+        desired = json.dumps(state, sort_keys=True).encode()
+        got = bytes(ctx.store.compare_set(key, known, desired))
+        if got == desired:
+            ctx.scratch["state"] = desired
+            ctx.scratch["cas_attempts"] = ctx.scratch.get("cas_attempts", 0) + _attempt + 1
+            return
+        known = got
+    raise AssertionError(f"agent {agent}: keep-alive CAS lost {MAX_CAS_ATTEMPTS} times")
+
+
+PATTERNS: dict[str, Pattern] = {p.name: p for p in (
+    Pattern("nccl_broadcast", "NCCL-id broadcast (default group)", _nccl_broadcast),
+    Pattern("store_barrier", "store-based barrier (c10d, add + add(k,0) + wait)",
+            _store_barrier),
+    Pattern("store_api_barrier", "Store.barrier (torch 2.13 API)", _store_api_barrier),
+    Pattern("elastic_barrier", "elastic barrier", _elastic_barrier),
+    Pattern("groups", "Megatron groups: gloo all-gather + NCCL id per group", _groups),
+    Pattern("heartbeat", f"heartbeat check, {HEARTBEAT_SECONDS} simulated s", _heartbeat,
+            steps=lambda world: HEARTBEAT_SECONDS),
+    Pattern("heartbeat_uncached",
+            f"heartbeat check, {HEARTBEAT_SECONDS} simulated s, preload_limit=0",
+            _heartbeat, steps=lambda world: HEARTBEAT_SECONDS,
+            store_options={"preload_limit": 0}),
+    Pattern("keepalive", f"rendezvous keep-alive CAS, {KEEPALIVE_SECONDS} simulated s",
+            _keepalive, steps=lambda world: KEEPALIVE_SECONDS),
+)}

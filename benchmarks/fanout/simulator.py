@@ -1,0 +1,242 @@
+"""W simulated ranks against one etcd (or one TCPStore server): :func:`run_pattern`.
+
+The ranks are split into contiguous blocks, one :class:`~benchmarks.fanout.worker.RankGroup`
+per block: in this process (``processes=0``, the default up to W = 64) or in ``processes``
+spawned worker processes. Each rank has its own store, so etcd sees W clients, W watch
+streams and W caches, as in a real job.
+
+One call of :func:`run_pattern` measures one pattern on fresh stores under a fresh job
+prefix, from etcd's own ``/metrics``:
+
+1. sample; build the W stores; wait until every store's watch applied etcd's current
+   revision; sample again: the *connect* counts;
+2. run the pattern's steps (each step on all ranks concurrently, steps separated by this
+   function); the *wall* time runs from the first step's start to the last step's end;
+3. wait until every store's watch applied etcd's current revision (so every watch message
+   the pattern caused was sent), sample: the pattern's *counts*;
+4. close everything.
+
+Bounds: the steps share ``budget`` seconds (an absolute deadline every worker enforces by
+closing its stores, after which the result says ``finished=False`` and carries the counts up
+to then); every settle wait is bounded; worker processes are killed if they do not exit.
+Blocking: the call blocks for the whole measurement. Not thread-safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from .etcd_metrics import Counts, sample
+from .patterns import PATTERNS
+from .recording import Access
+from .worker import RankGroup, serve
+
+__all__ = ["PatternResult", "default_processes", "run_pattern"]
+
+SETTLE_TIMEOUT = 60.0
+CONNECT_TIMEOUT = 300.0
+
+
+@dataclass
+class PatternResult:
+    """One pattern at one W: etcd's counts (None for TCPStore), wall time, deliveries."""
+
+    pattern: str
+    world: int
+    backend: str
+    wall_s: float
+    finished: bool
+    counts: Counts | None = None
+    connect: Counts | None = None
+    connect_s: float = 0.0
+    needed_deliveries: int = 0
+    semantic_writes: int = 0
+    errors: list[str] = field(default_factory=list)
+    extras: dict[str, Any] = field(default_factory=dict)
+    processes: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "pattern": self.pattern, "world": self.world, "backend": self.backend,
+            "wall_s": self.wall_s, "finished": self.finished, "connect_s": self.connect_s,
+            "counts": self.counts.as_dict() if self.counts else None,
+            "per_rank": self.counts.per_rank(self.world) if self.counts else None,
+            "connect": self.connect.as_dict() if self.connect else None,
+            "needed_deliveries": self.needed_deliveries,
+            "semantic_writes": self.semantic_writes, "errors": self.errors,
+            "extras": self.extras, "processes": self.processes,
+        }
+
+
+def default_processes(world: int) -> int:
+    """0 (ranks as threads of this process) up to W = 64, else 4 worker processes."""
+    return 0 if world <= 64 else 4
+
+
+class _Remote:
+    """A :class:`RankGroup` in a spawned process, called through a pipe."""
+
+    def __init__(self, ctx: Any, name: str) -> None:
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=serve, args=(child,), name=name, daemon=True)
+        self._proc.start()
+        child.close()
+
+    def send(self, method: str, *args: Any) -> None:
+        self._conn.send((method, args))
+
+    def result(self, timeout: float) -> Any:
+        if not self._conn.poll(max(0.0, timeout)):
+            raise TimeoutError(f"worker {self._proc.name} did not answer within {timeout:.0f} s")
+        status, value = self._conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"worker {self._proc.name} failed:\n{value}")
+        return value
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.send("close")
+            self.result(30)
+        self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+        self._conn.close()
+
+
+class _Local:
+    """A :class:`RankGroup` in this process, with the same send/result interface."""
+
+    def __init__(self) -> None:
+        self._group: RankGroup | None = None
+        self._pending: list[tuple[str, tuple[Any, ...]]] = []
+
+    def send(self, method: str, *args: Any) -> None:
+        self._pending.append((method, args))
+
+    def result(self, timeout: float) -> Any:
+        method, args = self._pending.pop(0)
+        if method == "init":
+            self._group = RankGroup(*args)
+            return len(self._group.ranks)
+        if self._group is None:
+            raise RuntimeError("init first")
+        return getattr(self._group, method)(*args)
+
+    def close(self) -> None:
+        if self._group is not None:
+            self._group.close()
+
+
+def _split(world: int, parts: int) -> list[list[int]]:
+    parts = max(1, min(parts, world))
+    size, extra = divmod(world, parts)
+    out, start = [], 0
+    for i in range(parts):
+        n = size + (1 if i < extra else 0)
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+def _call_all(workers: list[Any], method: str, *args: Any, timeout: float) -> list[Any]:
+    for w in workers:
+        w.send(method, *args)
+    deadline = time.monotonic() + timeout
+    return [w.result(deadline - time.monotonic()) for w in workers]
+
+
+def run_pattern(pattern: str, world: int, etcd_endpoint: str | None = None,
+                metrics_url: str | None = None, *, tcp_endpoint: str | None = None,
+                processes: int | None = None, budget: float = 120.0,
+                prefix: str | None = None) -> PatternResult:
+    """Run ``pattern`` (a key of :data:`~benchmarks.fanout.patterns.PATTERNS`) with
+    ``world`` simulated ranks, each with its own store, and measure it.
+
+    Exactly one of ``etcd_endpoint`` (``"host:port"``, with ``metrics_url`` its
+    ``http://host:port`` metrics base, e.g. ``LocalEtcd.metrics_url``) or ``tcp_endpoint``
+    (a ``TCPStore`` server) is given. Returns a :class:`PatternResult` whose ``counts`` are
+    etcd's traffic of the pattern (``None`` for TCPStore); ``counts.per_rank(world)`` gives
+    the per-rank figures. Raises ``ValueError`` for an unknown pattern or bad arguments,
+    ``RuntimeError``/``TimeoutError`` if a worker fails to start or answer.
+    """
+    if pattern not in PATTERNS:
+        raise ValueError(f"unknown pattern {pattern!r}; known: {sorted(PATTERNS)}")
+    if (etcd_endpoint is None) == (tcp_endpoint is None):
+        raise ValueError("give exactly one of etcd_endpoint and tcp_endpoint")
+    if etcd_endpoint is not None and metrics_url is None:
+        raise ValueError("etcd_endpoint needs metrics_url (etcd's /metrics base URL)")
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    endpoint = etcd_endpoint or tcp_endpoint or ""
+    host, _, port = endpoint.rpartition(":")
+    kind = "etcd" if etcd_endpoint is not None else "tcp"
+    job = prefix or f"/fanout/{uuid.uuid4().hex[:8]}/{pattern}/"
+    backend = {"kind": kind, "host": host, "port": int(port), "prefix": job}
+    nproc = default_processes(world) if processes is None else processes
+    blocks = _split(world, nproc or 1)
+    if nproc:
+        ctx = mp.get_context("spawn")
+        workers: list[Any] = [_Remote(ctx, f"fanout-worker-{i}") for i in range(len(blocks))]
+    else:
+        workers = [_Local()]
+    measure = (lambda: sample(metrics_url)) if kind == "etcd" else None  # type: ignore[arg-type]
+    try:
+        for w, ranks in zip(workers, blocks, strict=True):
+            w.send("init", ranks, world, backend, pattern, budget)
+        for w in workers:
+            w.result(60)
+        s0 = measure() if measure else None
+        t = time.perf_counter()
+        _call_all(workers, "connect", timeout=CONNECT_TIMEOUT)
+        connect_s = time.perf_counter() - t
+        s1 = None
+        if measure and s0 is not None:
+            s1 = _settled(workers, measure)
+        deadline = time.monotonic() + budget
+        errors: list[str] = []
+        extras: dict[str, Any] = {}
+        finished = True
+        t0 = time.perf_counter()
+        for step in range(PATTERNS[pattern].steps(world)):
+            replies = _call_all(workers, "run_step", step, deadline,
+                                timeout=max(0.0, deadline - time.monotonic()) + 60)
+            for reply in replies:
+                errors.extend(e for e in reply["errors"] if len(errors) < 10)
+                for k, v in reply["extras"].items():
+                    extras[k] = v  # cumulative per rank: the last step's totals
+                if reply["unfinished"]:
+                    finished = False
+            if not finished:
+                break
+        wall = time.perf_counter() - t0
+        if "cas_attempts" in extras:
+            extras["cas_attempts"] = sum(r["extras"].get("cas_attempts", 0) for r in replies)
+        counts = connect = None
+        if measure and s0 is not None and s1 is not None:
+            s2 = _settled(workers, measure)
+            counts, connect = s2.minus(s1), s1.minus(s0)
+        access = Access()
+        for part in _call_all(workers, "access", timeout=120):
+            access.merge(part)
+        return PatternResult(
+            pattern=pattern, world=world, backend=kind, wall_s=wall, finished=finished,
+            counts=counts, connect=connect, connect_s=connect_s,
+            needed_deliveries=access.needed_deliveries(), semantic_writes=access.n_writes,
+            errors=errors, extras=extras, processes=nproc)
+    finally:
+        for w in workers:
+            w.close()
+
+
+def _settled(workers: list[Any], measure: Any) -> Any:
+    """Wait until every store applied etcd's current revision; then sample etcd again."""
+    revision = measure().revision
+    _call_all(workers, "settle", revision, time.monotonic() + SETTLE_TIMEOUT,
+              timeout=SETTLE_TIMEOUT + 30)
+    return measure()

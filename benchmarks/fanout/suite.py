@@ -1,0 +1,88 @@
+"""The whole fan-out run for one W: every pattern on etcd and on TCPStore, side by side.
+
+:func:`run_world` starts nothing itself but the TCPStore server; it measures against the
+etcd it is given. Per pattern: :func:`~benchmarks.fanout.simulator.run_pattern` on etcd,
+then the same pattern on TCPStore (one server, W clients) in the same run. A run stops
+starting patterns once ``max_seconds`` have passed (the rest are listed as skipped), and
+each pattern has ``budget`` seconds for its steps. :func:`run_extras` measures goals 5
+and 6 (host sharing through a grpc-proxy, client CPU per watch event). Blocking; not
+thread-safe.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from .patterns import PATTERNS, elastic_barrier_impl
+from .simulator import default_processes, run_pattern
+from .tcp_server import TCPStoreServer
+
+__all__ = ["DEFAULT_PATTERNS", "implementation_notes", "run_extras", "run_world"]
+
+DEFAULT_PATTERNS = tuple(PATTERNS)
+
+
+def implementation_notes() -> list[str]:
+    """Which implementation each barrier pattern exercised with this cachedstore."""
+    from cachedstore.torch import TorchEtcdStore
+
+    native = TorchEtcdStore.barrier is not dist.Store.barrier
+    return [
+        "store_api_barrier: " + ("TorchEtcdStore's own Store.barrier" if native else
+                                 "TorchEtcdStore does not override Store.barrier: torch's "
+                                 "default ran (add(k/num_members, 1), the last rank sets "
+                                 "k/last_member, all wait)"),
+        "elastic_barrier: " + (elastic_barrier_impl() if elastic_barrier_impl() !=
+                               "torch elastic barrier" else
+                               "EtcdStore has no barrier: torch.distributed.elastic.utils."
+                               "store.barrier ran (add, last sets a key, wait)"),
+    ]
+
+
+def run_world(world: int, etcd_endpoint: str, metrics_url: str, *,
+              patterns: Sequence[str] = DEFAULT_PATTERNS, budget: float = 120.0,
+              max_seconds: float = 540.0, processes: int | None = None,
+              log: Any = print) -> dict[str, Any]:
+    """Every pattern at ``world`` ranks on etcd and on TCPStore; a JSON-able dict."""
+    started = time.monotonic()
+    runs: list[dict[str, Any]] = []
+    skipped: list[str] = []
+    with TCPStoreServer() as tcp:
+        for name in patterns:
+            if time.monotonic() - started > max_seconds:
+                skipped.append(name)
+                continue
+            for kind in ("etcd", "tcp"):
+                kwargs: dict[str, Any] = (
+                    {"etcd_endpoint": etcd_endpoint, "metrics_url": metrics_url}
+                    if kind == "etcd" else {"tcp_endpoint": f"{tcp.host}:{tcp.port}"})
+                t = time.monotonic()
+                result = run_pattern(name, world, processes=processes, budget=budget,
+                                     **kwargs)
+                runs.append(result.as_dict())
+                per = result.counts.per_rank(world) if result.counts else {}
+                log(f"[fanout] W={world} {name} {kind}: wall {result.wall_s:.3f} s"
+                    f"{'' if result.finished else ' (DID NOT FINISH)'}"
+                    + (f", per rank {per['requests']:.2f} req, {per['proposals']:.2f} "
+                       f"proposals, {per['watch_msgs_sent']:.1f} watch msgs" if per else "")
+                    + f" [{time.monotonic() - t:.0f} s]")
+    return {"world": world, "processes": default_processes(world) if processes is None
+            else processes, "budget_s": budget, "runs": runs, "skipped": skipped,
+            "notes": implementation_notes(), "elapsed_s": time.monotonic() - started}
+
+
+def run_extras(etcd_endpoint: str, metrics_url: str, *, log: Any = print) -> dict[str, Any]:
+    """Goals 5 and 6: host sharing behind a grpc-proxy; CPU per watch event."""
+    from .host_sharing import measure_host_sharing
+    from .watch_cpu import measure_watch_cpu
+
+    sharing = measure_host_sharing(etcd_endpoint, metrics_url)
+    log(f"[fanout] host sharing: direct {sharing['direct']['watch_event_msgs']} vs proxy "
+        f"{sharing['proxy']['watch_event_msgs']} watch msgs")
+    cpu = measure_watch_cpu(etcd_endpoint, metrics_url)
+    log(f"[fanout] watch CPU per event {cpu['cpu_per_event_s'] * 1e6:.0f} µs")
+    return {"host_sharing": sharing, "watch_cpu": cpu}

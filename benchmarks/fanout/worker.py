@@ -1,0 +1,189 @@
+"""A block of simulated ranks in one process: :class:`RankGroup`, and :func:`serve`.
+
+Each rank has its own store (a ``cachedstore.torch.TorchEtcdStore``, i.e. its own
+``EtcdStore`` with its own connection and watch, or a ``TCPStore`` client) and runs pattern
+steps on a thread of its own (``fanout-rank_N``, from a pool that lives as long as the group).
+
+Blocking and bounds: :meth:`RankGroup.run_step` blocks until every rank finished the step or
+the absolute ``deadline`` (``time.monotonic()``, which is system-wide on Linux, so a parent
+can hand the same deadline to every worker process) passes; then the group is *aborted*: its
+stores are closed, so that every blocked call raises, and the step reports the ranks that
+did not finish. A store's own timeout is set to the pattern's budget as a second bound.
+
+:func:`serve` runs a :class:`RankGroup` in a worker process, driven over a
+``multiprocessing`` pipe by :mod:`benchmarks.fanout.simulator`. Not thread-safe: one caller
+drives a group.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+from .patterns import PATTERNS, RankContext
+from .recording import Access, RecordingStore
+
+__all__ = ["RankGroup", "serve"]
+
+
+def _make_store(backend: dict[str, Any], timeout: timedelta, options: dict[str, Any]) -> Any:
+    import torch.distributed as dist
+
+    if backend["kind"] == "etcd":
+        from cachedstore.torch import TorchEtcdStore
+
+        return TorchEtcdStore(backend["host"], backend["port"], prefix=backend["prefix"],
+                              timeout=timeout, **options)
+    if backend["kind"] == "tcp":
+        client = dist.TCPStore(backend["host"], backend["port"], is_master=False,
+                               wait_for_workers=False, timeout=timeout, use_libuv=True)
+        return dist.PrefixStore(backend["prefix"], client)
+    raise ValueError(f"unknown backend {backend['kind']!r}")
+
+
+class RankGroup:
+    """Ranks ``ranks`` of a ``world``-rank job, running pattern ``pattern`` on ``backend``.
+
+    ``backend``: ``{"kind": "etcd"|"tcp", "host", "port", "prefix"}``. ``budget``: seconds,
+    the store timeout of every blocking call.
+    """
+
+    def __init__(self, ranks: list[int], world: int, backend: dict[str, Any], pattern: str,
+                 budget: float) -> None:
+        self.ranks = list(ranks)
+        self.world = world
+        self.backend = dict(backend)
+        self.pattern = PATTERNS[pattern]
+        self.timeout = timedelta(seconds=budget)
+        self._logs: dict[int, list[tuple[str, str]]] = {r: [] for r in self.ranks}
+        self._inner: list[Any] = []
+        self._ctx: list[RankContext] = []
+        self._pool: cf.ThreadPoolExecutor | None = None
+        self.aborted = False
+
+    def connect(self) -> int:
+        """Build every rank's store; returns how many were built.
+
+        ``EtcdStore``s are built one after another; TCPStore clients 64 at a time (on a
+        machine without DNS the server stalls ~10 s in reverse lookups of new clients,
+        which concurrent construction pays once per batch rather than per client).
+        """
+        import torch.distributed as dist
+
+        options = dict(self.pattern.store_options) if self.backend["kind"] == "etcd" else {}
+        if self.backend["kind"] == "tcp":
+            with cf.ThreadPoolExecutor(64, thread_name_prefix="fanout-connect") as pool:
+                inners = list(pool.map(lambda _: _make_store(self.backend, self.timeout, {}),
+                                       self.ranks))
+        else:
+            inners = [_make_store(self.backend, self.timeout, options) for _ in self.ranks]
+        for rank, inner in zip(self.ranks, inners, strict=True):
+            self._inner.append(inner)
+            store = RecordingStore(inner, self._logs[rank])
+            self._ctx.append(RankContext(
+                rank=rank, world=self.world, store=store,
+                default_store=dist.PrefixStore("default_pg", store),
+                etcd_store=getattr(inner, "etcd_store", None), timeout=self.timeout))
+        self._pool = cf.ThreadPoolExecutor(max_workers=max(1, len(self.ranks)),
+                                           thread_name_prefix="fanout-rank")
+        return len(self._ctx)
+
+    def run_step(self, step: int, deadline: float) -> dict[str, Any]:
+        """Run ``step`` on every rank concurrently; see the module docstring for bounds.
+
+        Returns ``{"errors": [...], "unfinished": n, "extras": {...}}``.
+        """
+        if self._pool is None or self.aborted:
+            return {"errors": ["group not connected or aborted"], "unfinished": len(self.ranks),
+                    "extras": {}}
+        futures = [self._pool.submit(self.pattern.step, ctx, step) for ctx in self._ctx]
+        done, pending = cf.wait(futures, timeout=max(0.0, deadline - time.monotonic()))
+        errors: list[str] = []
+        if pending:
+            errors.append(f"{len(pending)} of {len(futures)} ranks had not finished step "
+                          f"{step} at the deadline")
+            self.abort()
+            cf.wait(pending, timeout=30)
+        for f in done:
+            exc = f.exception()
+            if exc is not None and len(errors) < 5:
+                errors.append(f"{type(exc).__name__}: {exc}"[:300])
+        failed = sum(1 for f in done if f.exception() is not None)
+        extras = {"cas_attempts": sum(c.scratch.get("cas_attempts", 0) for c in self._ctx)}
+        return {"errors": errors, "unfinished": len(pending) + failed, "extras": extras}
+
+    def settle(self, revision: int, deadline: float) -> bool:
+        """Block until every etcd store applied ``revision`` (True), or ``deadline`` (False).
+
+        TCPStore ranks have nothing to settle.
+        """
+        stores = [c.etcd_store for c in self._ctx if c.etcd_store is not None]
+        while True:
+            if all(s.closed or s.watch_revision >= revision for s in stores):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
+    def access(self) -> Access:
+        """Who read and wrote which key so far."""
+        acc = Access()
+        for rank, log in self._logs.items():
+            acc.add_log(rank, log)
+        return acc
+
+    def abort(self) -> None:
+        """Close every store now: calls blocked in them raise; the group is unusable."""
+        self.aborted = True
+        for inner in self._inner:
+            with contextlib.suppress(Exception):
+                close = getattr(inner, "close", None)
+                if close is not None:
+                    close()
+
+    def close(self) -> None:
+        """Close the stores and stop the rank threads (idempotent)."""
+        self.abort()
+        self._inner.clear()
+        self._ctx.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+
+def serve(conn: Any) -> None:
+    """Worker-process main: execute ``(method, args)`` requests on a :class:`RankGroup`.
+
+    The first request must be ``("init", (ranks, world, backend, pattern, budget))``; every
+    request gets ``("ok", result)`` or ``("error", traceback)``; ``("close", ())`` ends.
+    """
+    import logging
+
+    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+    group: RankGroup | None = None
+    try:
+        while True:
+            try:
+                method, args = conn.recv()
+            except EOFError:
+                return
+            try:
+                if method == "init":
+                    group = RankGroup(*args)
+                    result: Any = len(group.ranks)
+                elif group is None:
+                    raise RuntimeError("init first")
+                else:
+                    result = getattr(group, method)(*args)
+                conn.send(("ok", result))
+            except Exception:
+                conn.send(("error", traceback.format_exc()))
+            if method == "close":
+                return
+    finally:
+        if group is not None:
+            group.close()
