@@ -69,7 +69,7 @@ Ticket = int
 _Woken = list[tuple[Waiter, bytes]]
 
 
-class _LRU(LRUCache):  # type: ignore[type-arg]
+class _LRU(LRUCache):
     """cachetools' LRU, telling its owner what it evicts."""
 
     def __init__(self, maxsize: int, on_evict: Callable[[str, Entry], None]) -> None:
@@ -136,7 +136,8 @@ class CoherentCache:
     def peek(self, name: str) -> Entry | None:
         """The entry for ``name`` whether or not it may be served (max_staleness, CAS)."""
         with self._lock:
-            return self._lru.get(name)  # type: ignore[no-any-return]
+            entry: Entry | None = self._lru.get(name)
+            return entry
 
     # -- installing ------------------------------------------------------------------------
     def _evicted(self, name: str, entry: Entry) -> None:

@@ -49,8 +49,8 @@ _TOKEN_MARKERS = ("invalid auth token", "auth token is expired", "user name is e
 def parse_endpoint(endpoint: str | tuple[str, int]) -> tuple[str, int]:
     """``"host:port"``, ``"[v6addr]:port"``, a URL or a ``(host, port)`` → ``(host, port)``."""
     if isinstance(endpoint, tuple):
-        host, port = endpoint
-        return str(host), int(port)
+        given_host, given_port = endpoint
+        return str(given_host), int(given_port)
     if not isinstance(endpoint, str) or not endpoint:
         raise InvalidInputError(f"endpoint must be 'host:port', got {endpoint!r}")
     text = endpoint.split("://", 1)[-1].rstrip("/")
@@ -138,6 +138,11 @@ class _Endpoint:
     """One etcd endpoint: its lazily created channel and the stubs on it."""
 
     __slots__ = ("target", "channel", "kv", "maintenance", "auth", "watch", "lease")
+    kv: Any
+    maintenance: Any
+    auth: Any
+    watch: Any
+    lease: Any
 
     def __init__(self, target: str) -> None:
         self.target = target

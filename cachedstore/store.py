@@ -498,31 +498,6 @@ class EtcdStore:
         exists is not an error. One request; blocks for it. Thread-safe."""
         self._writes.revoke_lease(lease)
 
-    # -- queues and key listing (implemented in cachedstore.queues) ------------------------
-    def queue_push(self, name: Name, value: Value) -> None:
-        """Append ``value`` to the FIFO queue ``name`` (see :mod:`cachedstore.queues`)."""
-        from . import queues
-
-        queues.push(self, name, value)
-
-    def queue_pop(self, name: Name, block: bool = True, timeout: Timeout = None) -> bytes:
-        """Remove and return the oldest item of queue ``name`` (see :mod:`cachedstore.queues`)."""
-        from . import queues
-
-        return queues.pop(self, name, block, timeout)
-
-    def queue_len(self, name: Name) -> int:
-        """How many items queue ``name`` holds (see :mod:`cachedstore.queues`)."""
-        from . import queues
-
-        return queues.length(self, name)
-
-    def list_keys(self) -> list[str]:
-        """Every name under the prefix (see :mod:`cachedstore.queues`)."""
-        from . import queues
-
-        return queues.list_keys(self)
-
     def num_keys(self) -> int:
         """How many keys exist under the prefix (one count-only etcd range). Thread-safe."""
         with self._timed("num_keys"):

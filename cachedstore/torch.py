@@ -138,6 +138,8 @@ class TorchEtcdStore(dist.Store):
     another process connects anew (a ``registry`` is not carried over).
     """
 
+    timeout: timedelta  # torch's C++ property; declared for type checkers
+
     def __init__(
         self,
         host: str = "localhost",
@@ -218,7 +220,8 @@ class TorchEtcdStore(dist.Store):
         passes (``DistStoreError``). A hit is served from the cache without a round trip."""
         wait = self._wait_seconds()
         try:
-            return self._etcd.get(key, timeout=wait)  # type: ignore[no-any-return]
+            value: bytes = self._etcd.get(key, timeout=wait)
+            return value
         except CachedStoreError as exc:
             raise _translate(exc, f"keys: [{key!r}]", wait) from exc
 
