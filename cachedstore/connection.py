@@ -11,6 +11,7 @@ cachedstore errors.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +33,8 @@ from .errors import (
     TLSError,
 )
 from .metrics import NullMetrics, StoreMetrics
+
+log = logging.getLogger("cachedstore.connection")
 
 __all__ = ["Connection", "Credentials", "parse_endpoint", "translate_rpc_error"]
 
@@ -129,7 +132,9 @@ def translate_rpc_error(exc: grpc.RpcError, method: str) -> CachedStoreError:
     if "lease not found" in lowered:
         return LeaseNotFoundError(f"{where}: {details}")
     if code is grpc.StatusCode.CANCELLED:
-        return StoreClosedError(f"{where}: cancelled ({details})")
+        # Only close() ends a store (call() checks that first): a CANCELLED status from
+        # the server or a proxy (RST_STREAM) is a transport failure like any other.
+        return EtcdConnectionError(f"{where}: cancelled by etcd or a proxy ({details})")
     name = code.name if code is not None else type(exc).__name__
     return EtcdError(f"{where}: {name}: {details}")
 
@@ -216,6 +221,9 @@ class Connection:
         with self._lock:
             if self._current == failed_index and len(self._endpoints) > 1:
                 self._current = (failed_index + 1) % len(self._endpoints)
+                log.info("cachedstore: etcd endpoint %s failed; failing over to %s",
+                         self._endpoints[failed_index].target,
+                         self._endpoints[self._current].target)
 
     # -- auth ----------------------------------------------------------------------------
     def metadata(self) -> tuple[tuple[str, str], ...] | None:
@@ -238,6 +246,8 @@ class Connection:
                 name=self._credentials.user, password=self._credentials.password)
             response = self.call("authenticate", request, deadline=deadline,
                                  retry=IDEMPOTENT, authenticated=False)
+            if self._token is not None:
+                log.info("cachedstore: etcd auth token renewed")
             self._token = response.token
 
     # -- calls ---------------------------------------------------------------------------

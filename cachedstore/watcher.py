@@ -49,6 +49,18 @@ _PUT = 0  # etcdrpc Event.EventType.PUT; DELETE is 1
 _AUTH_MARKERS = ("auth", "token", "permission")
 
 
+def one_line(exc: BaseException | None) -> str:
+    """An error as one log line: a gRPC error's status code and details, not its
+    multi-line repr; anything else its first line."""
+    if exc is None:
+        return "stream ended"
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        details = (exc.details() if hasattr(exc, "details") else "") or ""
+        return f"{exc.code().name}: {' '.join(details.split())}"
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
 def current_revision(conn: Connection, keyspace: KeySpace, deadline: float) -> int:
     """etcd's current revision, read with a count-only range over the prefix (so that it
     also checks the read permission on it). Raises cachedstore errors."""
@@ -171,7 +183,7 @@ class Watcher:
             log.log(logging.WARNING if self._stream_was_healthy or attempt == 0
                     else logging.DEBUG,
                     "cachedstore watch restarting (%s) from revision %d: %s",
-                    reason, self._revision + 1, self.last_error)
+                    reason, self._revision + 1, one_line(self.last_error))
             if reason == "compacted":
                 self._needs_resync = True
             # A stream that got as far as being created starts the back-off over.

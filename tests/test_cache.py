@@ -160,3 +160,22 @@ def test_a_snapshot_larger_than_the_cache_is_not_complete():
     cache, _ = make(maxsize=2)
     cache.reset(5, [("a", b"1", 1), ("b", b"2", 2), ("c", b"3", 3)])
     assert not cache.complete and len(cache) == 2
+
+
+def test_a_waiter_stays_registered_after_a_wake():
+    from cachedstore.cache import CoherentCache
+    from cachedstore.metrics import NullMetrics
+    from cachedstore.waiters import ThreadWaiter
+
+    cache = CoherentCache(10, NullMetrics())
+    cache.reset(1)
+    cache.watch_up(1)
+    waiter = ThreadWaiter()
+    cache.add_waiter("k", waiter)
+    cache.apply_events([("k", b"1", 2)], 2)
+    assert waiter.event.is_set() and waiter.take() == b"1"
+    cache.apply_events([("k", None, 3)], 3)  # deleted before the owner looked
+    cache.apply_events([("k", b"2", 4)], 4)  # the next put still reaches it
+    assert waiter.event.is_set() and waiter.take() == b"2"
+    cache.remove_waiter("k", waiter)
+    assert cache.n_waiters == 0

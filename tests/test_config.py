@@ -113,3 +113,13 @@ class FakeRpcError(grpc.RpcError):
 def test_rpc_errors_are_translated(code, details, expected):
     error = translate_rpc_error(FakeRpcError(code, details), "range")
     assert type(error) is expected
+
+
+def test_backoff_never_overflows_however_long_the_outage():
+    from cachedstore.config import Backoff
+
+    for policy in (Backoff(), Backoff(initial=0), Backoff(multiplier=1e300),
+                   Backoff(multiplier=1)):
+        for attempt in (0, 1023, 1024, 10**6, 10**12):
+            delay = policy.delay(attempt)
+            assert 0 <= delay <= max(policy.maximum, policy.initial)
