@@ -279,10 +279,10 @@ def test_close_releases_blocked_waiters(etcd, prefix):
 
 
 def test_threads_are_named_and_stop_on_close(etcd, prefix):
-    before = {t.ident for t in threading.enumerate()}
+    before = set(threading.enumerate())  # thread objects: idents are recycled
     store = EtcdStore(endpoints=[etcd.endpoint], prefix=prefix)
     asyncio.run(store.aget("x", default=None))  # starts the aio executor
-    ours = [t for t in threading.enumerate() if t.ident not in before]
+    ours = [t for t in threading.enumerate() if t not in before]
     names = {t.name for t in ours}
     assert any(n.startswith("cachedstore-watch-") for n in names)
     store.close()
