@@ -1,65 +1,65 @@
-"""torch.distributed on etcd v3: a c10d ``Store`` and a torchrun rendezvous backend.
+"""The c10d ``Store``: :class:`TorchEtcdStore`, a ``torch.distributed.Store`` on etcd v3.
 
-Two pieces, both on the cached :class:`~cachedstore.EtcdStore`:
+torch's C++ (``PrefixStore``, ``ProcessGroupGloo``/``NCCL`` bootstrap,
+``init_process_group(store=...)``) calls it through its Python trampoline. A drop-in for
+torch's etcd-v2 ``EtcdStore`` or for ``TCPStore``::
 
-* :class:`TorchEtcdStore` -- a ``torch.distributed.Store`` that torch's C++ (``PrefixStore``,
-  ``ProcessGroupGloo``/``NCCL`` bootstrap, ``init_process_group(store=...)``) calls through its
-  Python trampoline. A drop-in for torch's etcd-v2 ``EtcdStore`` or for ``TCPStore``::
-
-      store = TorchEtcdStore("10.0.0.5", 2379, prefix="/jobs/42/")
-      torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=n)
-
-* :class:`EtcdV3RendezvousBackend` and :func:`create_rdzv_handler` -- a backend for torch's
-  ``DynamicRendezvousHandler``, registered under the ``torchrun.handlers`` entry point as
-  ``etcd-v3``::
-
-      torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=etcd-v3 \\
-               --rdzv-endpoint=etcd1:2379,etcd2:2379 --rdzv-id=job42 train.py
+    store = TorchEtcdStore("10.0.0.5", 2379, prefix="/jobs/42/")
+    torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=n)
 
 Lifetime: torch's C++ holds stores through pointers Python cannot see, and a Python store
 whose last Python reference is gone can no longer be called from C++. A ``TorchEtcdStore``
 therefore stays alive (with its etcd connection and watch) until :meth:`TorchEtcdStore.close`
 or interpreter exit, whatever references remain; close it, or use it as a context manager.
 
-Exceptions: a timeout (a ``get`` of a key nobody sets, ``wait``) raises
-``torch.distributed.DistStoreError`` with "timeout" in its message, as torch's own stores do
-and as torch's barrier loops expect; etcd unreachable raises
-``torch.distributed.DistNetworkError``; every other cachedstore error becomes a
-``DistStoreError``. The cachedstore exception is chained as ``__cause__``.
+Exceptions, as torch's own stores raise them and torch's barrier loops expect them:
+
+- a blocking call (``get`` of an absent key, ``wait``, ``multi_get``, blocking
+  ``queue_pop``) that runs out of time raises ``torch.distributed.DistStoreError`` with
+  "timeout" in its message -- also when etcd became unreachable during the wait: reads are
+  retried (with back-off) until the wait's own deadline, and then it is a timeout;
+- a non-blocking ``queue_pop`` of an empty queue raises ``torch.distributed.QueueEmptyError``;
+- etcd unreachable outside a wait, or a TLS failure, raises ``DistNetworkError``;
+- every other cachedstore error becomes a ``DistStoreError``.
+
+The cachedstore exception is chained as ``__cause__``.
 """
 
 from __future__ import annotations
 
 import atexit
-import math
 import os
 import threading
-import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
-from etcd3 import etcdrpc
 
-from .connection import IDEMPOTENT, UNSENT_ONLY
-from .errors import CachedStoreError, EtcdConnectionError, StoreTimeoutError
-from .store import EtcdStore
+from .. import queues
+from ..cache import ThreadWaiter
+from ..clock import SYSTEM_CLOCK, Clock
+from ..config import Backoff
+from ..errors import (
+    CachedStoreError,
+    EtcdConnectionError,
+    StoreTimeoutError,
+    TLSError,
+)
+from ..store import EtcdStore
 
-__all__ = [
-    "DEFAULT_PREFIX",
-    "DEFAULT_RDZV_PREFIX",
-    "EtcdV3RendezvousBackend",
-    "TorchEtcdStore",
-    "create_backend",
-    "create_rdzv_handler",
-]
+__all__ = ["DEFAULT_PREFIX", "PASSWORD_ENV", "TorchEtcdStore", "read_password"]
+
+T = TypeVar("T")
 
 #: Default key prefix of a :class:`TorchEtcdStore`.
 DEFAULT_PREFIX = "/torch/cachedstore/"
-#: Default key prefix of the rendezvous backend (``--rdzv-conf prefix=...`` overrides it).
-DEFAULT_RDZV_PREFIX = "/torch/elastic/v3/"
+#: The environment variable a password is read from when none is given (as the CLI does).
+PASSWORD_ENV = "CACHEDSTORE_PASSWORD"
 #: A "no timeout" wait (torch's ``kNoTimeout``, a zero timeout) is bounded by this instead.
 _FOREVER = 365 * 24 * 3600.0
+#: Back-off between reads of a wait that found etcd unreachable (until the wait's deadline).
+_OUTAGE_BACKOFF = Backoff(initial=0.05, maximum=1.0)
 
 # Every open TorchEtcdStore, so that stores held only by torch's C++ stay callable.
 _live: dict[int, TorchEtcdStore] = {}
@@ -79,6 +79,23 @@ def _close_live_stores() -> None:
 atexit.register(_close_live_stores)
 
 
+def read_password(password_file: str | None = None) -> str | None:
+    """The etcd password from ``password_file`` (its first line) or, without a file, from
+    ``$CACHEDSTORE_PASSWORD``; None if neither is set. Raises ValueError naming the file if
+    it cannot be read or is empty."""
+    if password_file:
+        try:
+            with open(password_file, encoding="utf-8") as f:
+                password = f.readline().rstrip("\r\n")
+        except OSError as exc:
+            raise ValueError(f"cannot read the etcd password file {password_file!r}: "
+                             f"{exc.strerror}") from None
+        if not password:
+            raise ValueError(f"the etcd password file {password_file!r} is empty")
+        return password
+    return os.environ.get(PASSWORD_ENV) or None
+
+
 class _Shared:
     """The EtcdStore behind a TorchEtcdStore and its clones; closed once, by its owner."""
 
@@ -87,7 +104,8 @@ class _Shared:
     def __init__(self, etcd: EtcdStore, owned: bool, spec: dict[str, Any] | None) -> None:
         self.etcd = etcd
         self.owned = owned
-        self.spec = spec  # keyword arguments that rebuild it in another process, or None
+        # Keyword arguments that rebuild it in another process (never a password), or None.
+        self.spec = spec
 
 
 def _ms(seconds: float) -> int:
@@ -96,12 +114,18 @@ def _ms(seconds: float) -> int:
 
 def _translate(exc: CachedStoreError, what: str, waited: float | None = None) -> Exception:
     """The torch.distributed exception for a cachedstore error (the caller chains it)."""
+    if isinstance(exc, queues.QueueEmptyError):
+        return dist.QueueEmptyError(f"TorchEtcdStore: {what}: queue is empty")
     if isinstance(exc, StoreTimeoutError):
-        after = f" after {_ms(waited)}ms" if waited is not None else ""
-        return dist.DistStoreError(f"TorchEtcdStore: wait timeout{after}, {what}")
+        return _timeout(what, waited)
     if isinstance(exc, EtcdConnectionError):
         return dist.DistNetworkError(f"TorchEtcdStore: {what}: {exc}")
     return dist.DistStoreError(f"TorchEtcdStore: {what}: {exc}")
+
+
+def _timeout(what: str, waited: float | None) -> Exception:
+    after = f" after {_ms(waited)}ms" if waited is not None else ""
+    return dist.DistStoreError(f"TorchEtcdStore: wait timeout{after}, {what}")
 
 
 class TorchEtcdStore(dist.Store):
@@ -110,19 +134,24 @@ class TorchEtcdStore(dist.Store):
     Every process builds its own store against the same etcd and ``prefix``; they see one
     key space. Reads are served from the cache of an :class:`~cachedstore.EtcdStore`, kept
     coherent by one watch on ``prefix``; blocking reads (``get`` of a key not yet set,
-    ``wait``, ``multi_get``) wait on that watch, without polling etcd and without a stream
-    per waiter. ``add``, ``compare_set``, ``append`` and ``delete_key`` are compare-and-swap
-    Txns on etcd: atomic across processes, never answered from a stale cache entry.
+    ``wait``, ``multi_get``, ``queue_pop``) wait on that watch, without polling etcd and
+    without a stream per waiter. ``add``, ``compare_set``, ``append``, ``delete_key`` and
+    the queue operations are compare-and-swap Txns on etcd: atomic across processes, never
+    answered from a stale cache entry.
 
     Args:
         host, port: the etcd endpoint, unless ``endpoints`` is given in ``kwargs``.
         prefix: the etcd key prefix of the store (and the scope of its watch).
         timeout: the store timeout (``timedelta`` or seconds): how long ``get`` of an absent
-            key and ``wait`` block before raising ``DistStoreError``. ``set_timeout``
-            changes it; a zero timeout waits without limit, like torch's ``kNoTimeout``.
+            key, ``wait`` and ``queue_pop`` block before raising ``DistStoreError``.
+            ``set_timeout`` changes it; a zero timeout waits without limit (``kNoTimeout``).
         store: an existing :class:`~cachedstore.EtcdStore` to use instead of connecting
             (its prefix is used; ``prefix`` and ``kwargs`` must not be given). It is not
             closed by :meth:`close`.
+        password_file: with ``user``, read the password from this file's first line.
+            Without ``password`` and ``password_file``, a ``user``'s password is read from
+            ``$CACHEDSTORE_PASSWORD``.
+        clock: times the retries of waits during an outage (tests pass a FakeClock).
         kwargs: :class:`~cachedstore.EtcdStore` keywords: ``endpoints``, ``ca_cert``,
             ``cert_key``, ``cert_cert``, ``user``, ``password``, ``registry``,
             ``cache_size``, ``request_timeout``, ...
@@ -132,10 +161,17 @@ class TorchEtcdStore(dist.Store):
     call from any thread. The names torch's C++ calls (``getNumKeys``, ``deleteKey``) and
     the Python ones (``num_keys``, ``delete_key``) are both provided.
 
+    Queues (``queue_push``, ``queue_pop``, ``queue_len``) and ``list_keys`` work when called
+    from Python. torch 2.13's C++ trampoline does not forward them to Python stores, so
+    through a C++ ``PrefixStore`` they raise torch's ``NotImplementedError``.
+
     The store lives until :meth:`close` (see the module docstring). :meth:`clone` returns a
     store sharing this one's etcd connection and cache; closing the original closes its
-    clones' connection too. Pickling yields the connection settings, and unpickling in
-    another process connects anew (a ``registry`` is not carried over).
+    clones' connection too. Pickling yields the connection settings -- never a password:
+    a store whose password came from ``password_file`` or ``$CACHEDSTORE_PASSWORD`` is
+    rebuilt reading the same file or variable in the other process; one given
+    ``password=`` in code refuses to be pickled (TypeError). A ``registry`` is not carried
+    over.
     """
 
     def __init__(
@@ -146,28 +182,44 @@ class TorchEtcdStore(dist.Store):
         prefix: str | bytes | None = None,
         timeout: timedelta | float = timedelta(seconds=300),
         store: EtcdStore | None = None,
+        password_file: str | None = None,
+        clock: Clock = SYSTEM_CLOCK,
         **kwargs: Any,
     ) -> None:
         super().__init__()
         self._closed = True  # until constructed: close() must work on a partial store
         if store is not None:
-            if prefix is not None or kwargs:
+            if prefix is not None or kwargs or password_file:
                 raise ValueError("give either store= or connection settings, not both")
             shared = _Shared(store, owned=False, spec=None)
         else:
             prefix = DEFAULT_PREFIX if prefix is None else prefix
-            spec = {"host": host, "port": port, "prefix": prefix, **kwargs}
+            spec: dict[str, Any] = {"host": host, "port": port, "prefix": prefix, **kwargs}
+            spec.pop("password", None)
+            inline = kwargs.get("password") is not None
+            if password_file:
+                spec["password_file"] = password_file
+            if kwargs.get("user") is not None and not inline:
+                kwargs["password"] = read_password(password_file)
+                if kwargs["password"] is None:
+                    raise ValueError(f"user {kwargs['user']!r} needs a password: give "
+                                     f"password_file= or set ${PASSWORD_ENV}")
+            if inline:
+                spec["_inline_password"] = True
             try:
                 etcd = EtcdStore(host, port, prefix=prefix, **kwargs)
             except CachedStoreError as exc:
                 raise _translate(exc, "cannot connect to etcd") from exc
             shared = _Shared(etcd, owned=True, spec=spec)
-        self._adopt(shared, timeout)
+        self._adopt(shared, timeout, clock)
 
-    def _adopt(self, shared: _Shared, timeout: timedelta | float) -> None:
+    def _adopt(self, shared: _Shared, timeout: timedelta | float, clock: Clock,
+               scope: Callable[[], str] | None = None) -> None:
         self._shared = shared
         self._etcd = shared.etcd
         self._owner = shared.owned
+        self._clock = clock
+        self._scope = scope
         self.set_timeout(timeout if isinstance(timeout, timedelta)
                          else timedelta(seconds=timeout))
         self._closed = False
@@ -175,12 +227,14 @@ class TorchEtcdStore(dist.Store):
             _live[id(self)] = self
 
     @classmethod
-    def _on(cls, shared: _Shared, timeout: timedelta | float) -> TorchEtcdStore:
-        """A store on ``shared`` (a clone, or the rendezvous store owning its connection)."""
+    def _on(cls, shared: _Shared, timeout: timedelta | float, clock: Clock = SYSTEM_CLOCK,
+            scope: Callable[[], str] | None = None) -> TorchEtcdStore:
+        """A store on ``shared`` (a clone, or the rendezvous store owning its connection).
+        ``scope``, if given, returns the name prefix of every key, evaluated per call."""
         store = cls.__new__(cls)
         dist.Store.__init__(store)
         store._closed = True
-        store._adopt(shared, timeout)
+        store._adopt(shared, timeout, clock, scope)
         return store
 
     # -- properties ------------------------------------------------------------------------
@@ -197,35 +251,72 @@ class TorchEtcdStore(dist.Store):
     def closed(self) -> bool:
         return self._closed
 
-    def _wait_seconds(self) -> float:
-        seconds = self.timeout.total_seconds()
-        return _FOREVER if seconds <= 0 else seconds
+    def _store_timeout(self) -> timedelta:
+        return self.timeout  # type: ignore[attr-defined,no-any-return] # torch's property
+
+    def _wait_seconds(self, timeout: timedelta | float | None = None) -> float:
+        if timeout is None:
+            seconds = self._store_timeout().total_seconds()
+        else:
+            seconds = timeout.total_seconds() if isinstance(timeout, timedelta) \
+                else float(timeout)
+        return _FOREVER if seconds <= 0 or seconds != seconds else min(seconds, _FOREVER)
+
+    def _name(self, key: str | bytes) -> str | bytes:
+        scope = self._scope
+        if scope is None:
+            return key
+        if not isinstance(key, str):
+            key = bytes(key).decode("utf-8", "surrogateescape")
+        return scope() + key
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"timeout={self.timeout.total_seconds():g}s"
+        state = "closed" if self._closed else f"timeout={self._store_timeout().total_seconds():g}s"
         return f"TorchEtcdStore({self._etcd!r}, {state})"
+
+    # -- blocking reads: a wait that meets an outage ends as a timeout ---------------------
+    def _until_deadline(self, what: str, wait: float, attempt: Callable[[float], T]) -> T:
+        """Run ``attempt(remaining seconds)``; while it fails because etcd is unreachable
+        and the wait's deadline has not passed, back off and try again. A timeout -- the
+        attempt's own, or the deadline reached during an outage -- raises torch's timeout
+        error; other errors their torch equivalents."""
+        clock = self._clock
+        deadline = clock.monotonic() + wait
+        failures = 0
+        while True:
+            try:
+                return attempt(max(0.0, deadline - clock.monotonic()))
+            except TLSError as exc:  # a configuration error: waiting will not fix it
+                raise _translate(exc, what) from exc
+            except EtcdConnectionError as exc:
+                remaining = deadline - clock.monotonic()
+                if remaining <= 0:
+                    raise _timeout(what, wait) from exc
+                clock.sleep(min(remaining, _OUTAGE_BACKOFF.delay(failures)))
+                failures += 1
+            except CachedStoreError as exc:
+                raise _translate(exc, what, wait) from exc
 
     # -- the c10d Store interface ----------------------------------------------------------
     def set(self, key: str, value: bytes | str) -> None:
         """Write ``value`` under ``key`` (one etcd put)."""
         try:
-            self._etcd.set(key, value)
+            self._etcd.set(self._name(key), value)
         except CachedStoreError as exc:
             raise _translate(exc, f"set {key!r}") from exc
 
     def get(self, key: str) -> bytes:
         """The value of ``key``; if absent, block until it is set or the store timeout
         passes (``DistStoreError``). A hit is served from the cache without a round trip."""
-        wait = self._wait_seconds()
-        try:
-            return self._etcd.get(key, timeout=wait)  # type: ignore[no-any-return]
-        except CachedStoreError as exc:
-            raise _translate(exc, f"keys: [{key!r}]", wait) from exc
+        name = self._name(key)
+        return self._until_deadline(
+            f"keys: [{key!r}]", self._wait_seconds(),
+            lambda left: self._etcd.get(name, timeout=left))  # type: ignore[no-any-return]
 
     def add(self, key: str, value: int) -> int:
         """Atomically add ``value`` to the integer under ``key`` (0 if absent); return it."""
         try:
-            return self._etcd.add(key, value)
+            return self._etcd.add(self._name(key), value)
         except CachedStoreError as exc:
             raise _translate(exc, f"add {key!r}") from exc
 
@@ -235,41 +326,92 @@ class TorchEtcdStore(dist.Store):
         ``expected_value`` is empty) and return the new value; else return the current value
         (``expected_value`` if absent). One etcd Txn, atomic across processes."""
         try:
-            return self._etcd.compare_set(key, expected_value, desired_value)
+            return self._etcd.compare_set(self._name(key), expected_value, desired_value)
         except CachedStoreError as exc:
             raise _translate(exc, f"compare_set {key!r}") from exc
 
-    def check(self, keys: list[str]) -> bool:
-        """True if every key exists now (never blocks)."""
+    def _has_key(self, name: str | bytes) -> bool:
+        """True if the key exists (a complete cache answers "absent" without etcd)."""
         try:
-            return self._etcd.check(keys)
+            self._etcd.wait([name], timeout=0)
+        except StoreTimeoutError:
+            return False
+        return True
+
+    def _present(self, name: str | bytes) -> bool:
+        """torch's notion of "exists" for check and wait: a key, or a non-empty queue."""
+        return self._has_key(name) or queues.is_nonempty(self._etcd, name)
+
+    def check(self, keys: list[str]) -> bool:
+        """True if every key exists now, as a key or as a non-empty queue (never blocks)."""
+        names = [self._name(k) for k in keys]
+        try:
+            if self._etcd.check(names):
+                return True
+            return all(self._present(n) for n in names)
         except CachedStoreError as exc:
             raise _translate(exc, f"check {list(keys)!r}") from exc
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        """Block until every key exists; ``timeout`` defaults to the store timeout."""
-        wait = self._wait_seconds() if timeout is None else (
-            timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout))
-        if wait <= 0:
-            wait = _FOREVER
+        """Block until every key exists, as a key or as a non-empty queue; ``timeout``
+        defaults to the store timeout. Woken by the store's watch, no polling."""
+        names = [self._name(k) for k in keys]
+        self._until_deadline(f"keys: {list(keys)!r}", self._wait_seconds(timeout),
+                             lambda left: self._wait_present(names, left))
+
+    def _wait_present(self, names: list[str | bytes], wait: float) -> None:
         try:
-            self._etcd.wait(keys, timeout=wait)
-        except CachedStoreError as exc:
-            raise _translate(exc, f"keys: {list(keys)!r}", wait) from exc
+            self._etcd.wait(names, timeout=0)
+            return  # every key exists: the common case, answered from the cache
+        except StoreTimeoutError:
+            pass
+        keys = self._etcd._keys  # noqa: SLF001 -- canonical names for the waiter tables
+        cache = self._etcd._cache  # noqa: SLF001
+        missing = list(dict.fromkeys(keys.canonical(n) for n in names))
+        clock = self._clock
+        deadline = clock.monotonic() + wait
+        while True:
+            waiter = ThreadWaiter()
+            registered = []
+            for name in missing:  # before looking: a put in between wakes the waiter
+                cache.add_waiter(name, waiter)
+                cache.add_prefix_waiter(queues.item_prefix(name), waiter)
+                registered.append(name)
+            try:
+                missing = [n for n in missing if not self._present(n)]
+                if not missing:
+                    return
+                remaining = deadline - clock.monotonic()
+                if remaining <= 0 or not clock.wait(waiter.event, remaining):
+                    raise StoreTimeoutError(f"waiting for {missing!r}")
+            finally:
+                for name in registered:
+                    cache.remove_waiter(name, waiter)
+                    cache.remove_prefix_waiter(queues.item_prefix(name), waiter)
 
     def getNumKeys(self) -> int:  # noqa: N802 -- the name torch's C++ calls
-        """How many keys exist under the store's prefix (one count-only etcd range)."""
+        """How many keys exist under the store's prefix, queue items not counted (like
+        torch's HashStore and TCPStore): one Txn of count-only ranges."""
         try:
-            return self._etcd.num_keys()
+            return queues.num_keys(self._etcd, self._scope() if self._scope else "")
         except CachedStoreError as exc:
             raise _translate(exc, "num_keys") from exc
 
     num_keys = getNumKeys
 
+    def list_keys(self) -> list[str]:
+        """Every key under the store's prefix, queue items left out: the keys
+        :meth:`num_keys` counts (keys-only etcd ranges). Python callers only: torch's C++
+        trampoline does not forward ``listKeys`` to Python stores."""
+        try:
+            return queues.list_keys(self._etcd, self._scope() if self._scope else "")
+        except CachedStoreError as exc:
+            raise _translate(exc, "list_keys") from exc
+
     def deleteKey(self, key: str) -> bool:  # noqa: N802 -- the name torch's C++ calls
         """Delete ``key``; True if it existed."""
         try:
-            return self._etcd.delete(key)
+            return self._etcd.delete(self._name(key))
         except CachedStoreError as exc:
             raise _translate(exc, f"delete_key {key!r}") from exc
 
@@ -278,18 +420,16 @@ class TorchEtcdStore(dist.Store):
     def append(self, key: str, value: bytes | str) -> None:
         """Atomically append ``value`` to the bytes under ``key`` (created if absent)."""
         try:
-            self._etcd.append(key, value)
+            self._etcd.append(self._name(key), value)
         except CachedStoreError as exc:
             raise _translate(exc, f"append {key!r}") from exc
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         """The values of ``keys``, blocking like :meth:`get` for absent ones. Cached keys
         cost nothing; the others are read together in as few Txns as etcd allows."""
-        wait = self._wait_seconds()
-        try:
-            return self._etcd.mget(keys, timeout=wait)
-        except CachedStoreError as exc:
-            raise _translate(exc, f"keys: {list(keys)!r}", wait) from exc
+        names = [self._name(k) for k in keys]
+        return self._until_deadline(f"keys: {list(keys)!r}", self._wait_seconds(),
+                                    lambda left: self._etcd.mget(names, timeout=left))
 
     def multi_set(self, keys: list[str], values: list[bytes | str]) -> None:
         """Write each value under its key: one etcd Txn per 128 keys (``EtcdStore.mset``)."""
@@ -297,7 +437,7 @@ class TorchEtcdStore(dist.Store):
         if len(keys) != len(values):
             raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
         try:
-            self._etcd.mset(zip(keys, values, strict=True))
+            self._etcd.mset(zip([self._name(k) for k in keys], values, strict=True))
         except CachedStoreError as exc:
             raise _translate(exc, f"multi_set of {len(keys)} keys") from exc
 
@@ -305,6 +445,36 @@ class TorchEtcdStore(dist.Store):
         """True: ``append``, ``multi_get`` and ``multi_set`` are implemented here."""
         return True
 
+    # -- queues ------------------------------------------------------------------------------
+    def queue_push(self, key: str, value: bytes | str) -> None:
+        """Append ``value`` to the FIFO queue ``key`` (one Txn; see
+        :mod:`cachedstore.queues`). Queue names do not collide with key names."""
+        try:
+            queues.push(self._etcd, self._name(key), value)
+        except CachedStoreError as exc:
+            raise _translate(exc, f"queue_push {key!r}") from exc
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        """Remove and return the oldest item of queue ``key``. ``block=True`` waits on the
+        watch up to the store timeout (``DistStoreError`` "timeout"); ``block=False``
+        raises ``QueueEmptyError`` at once on an empty queue. Each item is popped by
+        exactly one caller across all processes. A pop whose delete may have reached etcd
+        when the connection broke raises ``DistNetworkError`` (the item may be gone)."""
+        name = self._name(key)
+        wait = self._wait_seconds()
+        try:
+            return queues.pop(self._etcd, name, block, wait, clock=self._clock)
+        except CachedStoreError as exc:
+            raise _translate(exc, f"queue: {key!r}", wait) from exc
+
+    def queue_len(self, key: str) -> int:
+        """How many items queue ``key`` holds; 0 if it never existed (one count range)."""
+        try:
+            return queues.length(self._etcd, self._name(key))
+        except CachedStoreError as exc:
+            raise _translate(exc, f"queue_len {key!r}") from exc
+
+    # -- clones and lifecycle ------------------------------------------------------------------
     def clone(self) -> TorchEtcdStore:
         """A store on the same etcd connection, cache and prefix, for use from another
         thread (torch's C++ clones stores for split and shrunk process groups). It lives
@@ -312,9 +482,8 @@ class TorchEtcdStore(dist.Store):
         if self._closed:
             raise dist.DistStoreError("TorchEtcdStore: clone of a closed store")
         shared = _Shared(self._etcd, owned=False, spec=self._shared.spec)
-        return TorchEtcdStore._on(shared, self.timeout)
+        return TorchEtcdStore._on(shared, self._store_timeout(), self._clock, self._scope)
 
-    # -- lifecycle -------------------------------------------------------------------------
     def close(self) -> None:
         """Forget the store; if it owns its etcd connection (it was not built around an
         existing EtcdStore, and is not a clone), close that connection and its watch.
@@ -335,286 +504,18 @@ class TorchEtcdStore(dist.Store):
 
     def __reduce__(self) -> tuple[Any, ...]:
         spec = self._shared.spec
-        if spec is None:
+        if spec is None or self._scope is not None:
             raise TypeError("a TorchEtcdStore built around an existing EtcdStore cannot be "
                             "pickled; build it from connection settings instead")
+        if spec.get("_inline_password"):
+            raise TypeError("a TorchEtcdStore given password= cannot be pickled (the pickle "
+                            "would carry the password): give password_file= or set "
+                            f"${PASSWORD_ENV} instead, in every process")
         spec = {k: v for k, v in spec.items() if k != "registry"}
-        return (_rebuild, (spec, self.timeout.total_seconds()))
+        return (_rebuild, (spec, self._store_timeout().total_seconds()))
 
 
 def _rebuild(spec: dict[str, Any], timeout: float) -> TorchEtcdStore:
     spec = dict(spec)
     return TorchEtcdStore(spec.pop("host"), spec.pop("port"), timeout=timeout, **spec)
 
-
-# --------------------------------------------------------------------------- rendezvous
-# torchrun's entry point: defined before torch's rendezvous package is imported below. That
-# package loads every ``torchrun.handlers`` entry point when it is first imported, this one
-# included: if this module is what imports it, it finds ``create_rdzv_handler`` already
-# defined instead of a partially initialised module.
-
-
-def create_rdzv_handler(params: RendezvousParameters | None = None) -> Any:
-    """torchrun's ``etcd-v3`` rendezvous handler: a ``DynamicRendezvousHandler`` whose state
-    lives in etcd v3 and whose store is a :class:`TorchEtcdStore` under a run-scoped prefix.
-
-    ``--rdzv-endpoint``: ``host[:port]``, or several separated by commas (default port
-    2379). ``--rdzv-conf`` keys, besides torch's own (``join_timeout``,
-    ``last_call_timeout``, ``close_timeout``, ``heartbeat_timeout``,
-    ``keep_alive_interval``, ...): ``cacert`` (CA bundle; enables TLS), ``cert`` and ``key``
-    (client certificate), ``user`` and ``password`` (etcd auth), ``prefix`` (default
-    ``/torch/elastic/v3/``), ``ttl`` (seconds the state outlives its last write, default
-    7200), ``store_timeout`` (the store's timeout, default 300 s), ``request_timeout`` and
-    ``connect_timeout`` (seconds). torch's etcd-v2 names ``ca_cert``, ``ssl_cert``,
-    ``ssl_cert_key`` and ``read_timeout`` are accepted too.
-
-    Worker restarts: torch 2.13's agents by default keep one TCPStore, hosted by the rank-0
-    agent, for the workers of every round, and a restarted gloo group then reads the
-    previous round's peer addresses from it and fails (torch's own ``c10d`` backend fails
-    the same way). Unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` is set, or
-    ``--rdzv-conf share_agent_store=1`` asks for torch's default, this handler therefore
-    sets that variable to ``1`` in the agent process: each round's rank-0 worker hosts a
-    fresh TCPStore, whose address the agents exchange through this etcd store.
-
-    Called with ``params``, returns the handler. Called without arguments -- how torchrun
-    loads a ``torchrun.handlers`` entry point (it registers ``entry_point.load()()``) --
-    returns this function itself, the handler creator.
-    """
-    if params is None:
-        return create_rdzv_handler
-    if not params.get_as_bool("share_agent_store", False):
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    backend, store = create_backend(params)
-    try:
-        handler: RendezvousHandler = create_handler(store, backend, params)
-    except BaseException:
-        store.close()
-        raise
-    return handler
-
-
-from torch.distributed.elastic.rendezvous import (  # noqa: E402 -- see above
-    RendezvousConnectionError,
-    RendezvousHandler,
-    RendezvousParameters,
-    RendezvousStateError,
-)
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E402
-    RendezvousBackend,
-    Token,
-    create_handler,
-)
-from torch.distributed.elastic.rendezvous.utils import (  # noqa: E402
-    parse_rendezvous_endpoint,
-)
-
-
-class EtcdV3RendezvousBackend(RendezvousBackend):
-    """A ``RendezvousBackend`` for torch's ``DynamicRendezvousHandler`` on etcd v3.
-
-    The rendezvous state lives in one key, ``<key_prefix><run_id>/state``. ``set_state`` is
-    one Txn: compare the key's ``mod_revision`` with the fencing token (or its absence when
-    there is no token), put on success, read the key on failure. The token is the key's
-    ``mod_revision``. The key is attached to a lease, so an abandoned rendezvous disappears:
-    it expires between ``ttl`` and ``1.5 × ttl`` after the last write (a backend reuses one
-    lease of ``1.5 × ttl`` for ``ttl / 2``, so that a heartbeat every few seconds does not
-    create a lease each time). ``ttl`` defaults to two hours, like torch's etcd backend.
-
-    Args:
-        store: the :class:`~cachedstore.EtcdStore` whose connection the backend uses (its
-            prefix does not matter: the backend addresses whole keys). Not closed here.
-        run_id: the rendezvous id (``--rdzv-id``).
-        key_prefix: where rendezvous keys live.
-        ttl: seconds; None or <= 0 means two hours.
-
-    Thread-safe (torch calls it from the agent's main thread and its keep-alive timer).
-    Raises ``RendezvousConnectionError`` when etcd cannot be reached.
-    """
-
-    DEFAULT_TTL = 7200.0
-
-    def __init__(self, store: EtcdStore, run_id: str, *, key_prefix: str = DEFAULT_RDZV_PREFIX,
-                 ttl: float | None = None) -> None:
-        if not run_id:
-            raise ValueError("The run id must be a non-empty string.")
-        self._store = store
-        self._conn = store._conn  # noqa: SLF001 -- the backend speaks raw Txns
-        self._key = f"{key_prefix}{run_id}/state".encode()
-        self._ttl = float(ttl) if ttl and ttl > 0 else self.DEFAULT_TTL
-        self._lease_lock = threading.Lock()
-        self._lease_id = 0
-        self._lease_renew_at = 0.0
-
-    @property
-    def name(self) -> str:
-        return "etcd-v3"
-
-    @property
-    def key(self) -> bytes:
-        """The etcd key holding the rendezvous state."""
-        return self._key
-
-    @property
-    def ttl(self) -> float:
-        return self._ttl
-
-    def get_state(self) -> tuple[bytes, Token] | None:
-        """The state and its token (``mod_revision``), or None; one linearizable read."""
-        try:
-            response = self._conn.call("range", etcdrpc.RangeRequest(key=self._key),
-                                       deadline=self._conn.deadline(), retry=IDEMPOTENT)
-        except CachedStoreError as exc:
-            raise RendezvousConnectionError(
-                f"etcd-v3 rendezvous: reading {self._key!r} failed: {exc}") from exc
-        if not response.kvs:
-            return None
-        kv = response.kvs[0]
-        return bytes(kv.value), kv.mod_revision
-
-    def set_state(self, state: bytes, token: Token | None = None
-                  ) -> tuple[bytes, Token, bool] | None:
-        """Write ``state`` if the stored token is still ``token`` (absent when None); return
-        (state, token, True) on success, else the stored (state, token, False), or None if
-        there is no state. One Txn (plus a lease grant every ``ttl / 2``)."""
-        if token is not None:
-            try:
-                token = int(token)
-            except (TypeError, ValueError):
-                current = self.get_state()
-                return None if current is None else (*current, False)
-        if token:
-            compare = etcdrpc.Compare(key=self._key, result=etcdrpc.Compare.EQUAL,
-                                      target=etcdrpc.Compare.MOD, mod_revision=token)
-        else:
-            compare = etcdrpc.Compare(key=self._key, result=etcdrpc.Compare.EQUAL,
-                                      target=etcdrpc.Compare.CREATE, create_revision=0)
-        state = bytes(state)
-        for attempt in range(2):
-            lease = self._lease()
-            request = etcdrpc.TxnRequest(
-                compare=[compare],
-                success=[etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(
-                    key=self._key, value=state, lease=lease))],
-                failure=[etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=self._key))])
-            try:
-                response = self._conn.call("txn", request, deadline=self._conn.deadline(),
-                                           retry=UNSENT_ONLY)
-            except EtcdConnectionError as exc:
-                return self._after_unknown_outcome(state, exc)
-            except CachedStoreError as exc:
-                if "lease not found" in str(exc) and attempt == 0:
-                    self._forget_lease(lease)  # expired or revoked under us: take a new one
-                    continue
-                raise RendezvousConnectionError(
-                    f"etcd-v3 rendezvous: writing {self._key!r} failed: {exc}") from exc
-            if response.succeeded:
-                return state, response.header.revision, True
-            kvs = response.responses[0].response_range.kvs
-            if not kvs:
-                return None
-            return bytes(kvs[0].value), kvs[0].mod_revision, False
-        raise RendezvousStateError("etcd-v3 rendezvous: the state key's lease keeps vanishing")
-
-    def _after_unknown_outcome(self, state: bytes, exc: Exception
-                               ) -> tuple[bytes, Token, bool] | None:
-        """The Txn may or may not have been applied: read the key and decide. The state
-        carries per-node heartbeat times, so equal bytes mean our write landed."""
-        try:
-            current = self.get_state()
-        except RendezvousConnectionError:
-            raise RendezvousConnectionError(
-                f"etcd-v3 rendezvous: writing {self._key!r} failed: {exc}") from exc
-        if current is None:
-            return None
-        value, token = current
-        return value, token, value == state
-
-    def _lease(self) -> int:
-        """A lease id to attach the state to, granted anew every ``ttl / 2``."""
-        with self._lease_lock:
-            now = time.monotonic()
-            if self._lease_id and now < self._lease_renew_at:
-                return self._lease_id
-            request = etcdrpc.LeaseGrantRequest(TTL=math.ceil(self._ttl * 1.5), ID=0)
-            try:
-                response = self._conn.call("lease_grant", request,
-                                           deadline=self._conn.deadline(), retry=IDEMPOTENT)
-            except CachedStoreError as exc:
-                raise RendezvousConnectionError(
-                    f"etcd-v3 rendezvous: granting a lease failed: {exc}") from exc
-            if response.error:
-                raise RendezvousConnectionError(
-                    f"etcd-v3 rendezvous: granting a lease failed: {response.error}")
-            self._lease_id = response.ID
-            self._lease_renew_at = now + self._ttl / 2
-            return self._lease_id
-
-    def _forget_lease(self, lease: int) -> None:
-        with self._lease_lock:
-            if self._lease_id == lease:
-                self._lease_id = 0
-
-
-def _endpoints(endpoint: str | None) -> list[str]:
-    """``"h1:2379,h2"`` → ``["h1:2379", "h2:2379"]``; empty → ``["localhost:2379"]``."""
-    out = []
-    for part in (endpoint or "").split(","):
-        if part.strip():
-            host, port = parse_rendezvous_endpoint(part, default_port=2379)
-            out.append(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
-    return out or ["localhost:2379"]
-
-
-def _conf(params: RendezvousParameters, *names: str) -> str | None:
-    for name in names:
-        value = params.get(name)
-        if value not in (None, ""):
-            return str(value)
-    return None
-
-
-def _conf_seconds(params: RendezvousParameters, name: str) -> float | None:
-    value = _conf(params, name)
-    if value is None:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ValueError(f"--rdzv-conf {name}={value!r} is not a number of seconds") from None
-    if seconds <= 0:
-        raise ValueError(f"--rdzv-conf {name} must be > 0 seconds, got {value!r}")
-    return seconds
-
-
-def create_backend(params: RendezvousParameters
-                   ) -> tuple[EtcdV3RendezvousBackend, TorchEtcdStore]:
-    """The backend and the worker-facing store for ``params`` (see :func:`create_rdzv_handler`
-    for the ``--rdzv-conf`` keys). Connects to etcd; raises RendezvousConnectionError."""
-    prefix = _conf(params, "prefix") or DEFAULT_RDZV_PREFIX
-    if not prefix.endswith("/"):
-        prefix += "/"
-    cert = _conf(params, "cert", "ssl_cert")
-    key = _conf(params, "key", "ssl_cert_key")
-    if (cert is None) != (key is None):
-        raise ValueError("--rdzv-conf: give both cert= and key=, or neither")
-    user, password = _conf(params, "user"), _conf(params, "password")
-    if (user is None) != (password is None):
-        raise ValueError("--rdzv-conf: give both user= and password=, or neither")
-    store_timeout = _conf_seconds(params, "store_timeout") or 300.0
-    try:
-        etcd = EtcdStore(
-            endpoints=_endpoints(params.endpoint),
-            prefix=f"{prefix}{params.run_id}/store/",
-            ca_cert=_conf(params, "cacert", "ca_cert"), cert_cert=cert, cert_key=key,
-            user=user, password=password,
-            request_timeout=_conf_seconds(params, "request_timeout") or _conf_seconds(
-                params, "read_timeout"),
-            connect_timeout=_conf_seconds(params, "connect_timeout"))
-    except CachedStoreError as exc:
-        raise RendezvousConnectionError(
-            f"etcd-v3 rendezvous: cannot connect to etcd at {params.endpoint!r}: {exc}"
-        ) from exc
-    store = TorchEtcdStore._on(_Shared(etcd, owned=True, spec=None), store_timeout)
-    backend = EtcdV3RendezvousBackend(etcd, params.run_id, key_prefix=prefix,
-                                      ttl=_conf_seconds(params, "ttl"))
-    return backend, store
