@@ -56,6 +56,9 @@ T = TypeVar("T")
 DEFAULT_PREFIX = "/torch/cachedstore/"
 #: The environment variable a password is read from when none is given (as the CLI does).
 PASSWORD_ENV = "CACHEDSTORE_PASSWORD"
+#: torch's error for a non-blocking pop of an empty queue (torch < 2.7 has no queues and no
+#: QueueEmptyError: a DistStoreError then).
+_QueueEmpty: type[Exception] = getattr(dist, "QueueEmptyError", dist.DistStoreError)
 #: A "no timeout" wait (torch's ``kNoTimeout``, a zero timeout) is bounded by this instead.
 _FOREVER = 365 * 24 * 3600.0
 #: Back-off between reads of a wait that found etcd unreachable (until the wait's deadline).
@@ -115,7 +118,7 @@ def _ms(seconds: float) -> int:
 def _translate(exc: CachedStoreError, what: str, waited: float | None = None) -> Exception:
     """The torch.distributed exception for a cachedstore error (the caller chains it)."""
     if isinstance(exc, queues.QueueEmptyError):
-        return dist.QueueEmptyError(f"TorchEtcdStore: {what}: queue is empty")
+        return _QueueEmpty(f"TorchEtcdStore: {what}: queue is empty")
     if isinstance(exc, StoreTimeoutError):
         return _timeout(what, waited)
     if isinstance(exc, EtcdConnectionError):
