@@ -20,6 +20,7 @@ import torch.distributed as dist
 from util import eventually, raw_client, rpc_count
 
 from cachedstore import EtcdStore
+from cachedstore.clock import FakeClock
 from cachedstore.server import free_port
 from cachedstore.torch import TorchEtcdStore
 
@@ -311,6 +312,32 @@ def test_waits_that_end_in_an_outage_raise_torchs_timeout_error(etcd_factory, pr
             assert isinstance(exc, dist.DistStoreError), (name, exc)
             assert not isinstance(exc, dist.DistNetworkError), name
             assert "timeout" in str(exc), (name, exc)
+    finally:
+        store.close()
+
+
+def test_a_wait_in_an_outage_ends_at_its_deadline_without_another_etcd_read(
+        etcd_factory, prefix):
+    server = etcd_factory()
+    clock = FakeClock()
+    store = TorchEtcdStore(endpoints=[server.endpoint], prefix=prefix, request_timeout=1,
+                           timeout=timedelta(seconds=5), clock=clock)
+    registry = store.etcd_store.registry
+    errors: dict[str, BaseException] = {}
+    try:
+        threads = [_run(errors, "get", lambda: store.get("never")),
+                   _run(errors, "wait", lambda: store.wait(["nor"], timedelta(seconds=5)))]
+        clock.wait_for_waiters(2)  # both parked on the watch, on the fake clock
+        server.kill()
+        reads = rpc_count(registry, "range") + rpc_count(registry, "txn")
+        clock.advance(5)  # the deadline passes during the outage
+        for t in threads:
+            t.join(30)
+        assert sorted(errors) == ["get", "wait"]
+        for exc in errors.values():
+            assert isinstance(exc, dist.DistStoreError) and "timeout" in str(exc)
+        # Raised at the deadline: no read-through (which would wait out request_timeout).
+        assert rpc_count(registry, "range") + rpc_count(registry, "txn") == reads
     finally:
         store.close()
 

@@ -312,9 +312,32 @@ class TorchEtcdStore(dist.Store):
         """The value of ``key``; if absent, block until it is set or the store timeout
         passes (``DistStoreError``). A hit is served from the cache without a round trip."""
         name = self._name(key)
-        return self._until_deadline(
-            f"keys: [{key!r}]", self._wait_seconds(),
-            lambda left: self._etcd.get(name, timeout=left))  # type: ignore[no-any-return]
+        value = self._etcd_get(name)  # the hot path: a hit, no deadline arithmetic
+        if value is not None:
+            return value
+        return self._until_deadline(f"keys: [{key!r}]", self._wait_seconds(),
+                                    lambda left: self._get_blocking([name], left)[0])
+
+    def _etcd_get(self, name: str | bytes) -> bytes | None:
+        try:
+            # timeout=0: a complete cache answers "absent" without asking etcd.
+            return self._etcd.get(name, None, timeout=0)  # type: ignore[no-any-return]
+        except EtcdConnectionError:
+            return None  # the blocking path below retries until the deadline
+        except CachedStoreError as exc:
+            raise _translate(exc, f"keys: [{name!r}]") from exc
+
+    def _get_blocking(self, names: list[str | bytes], wait: float) -> list[bytes]:
+        """The values of ``names``, waiting (on the watch, within ``wait`` seconds) for the
+        absent ones. Each wait step ends at the deadline without another etcd read."""
+        clock = self._clock
+        deadline = clock.monotonic() + wait
+        while True:
+            values = self._etcd.mget(names, None, timeout=0)
+            missing = [n for n, v in zip(names, values, strict=True) if v is None]
+            if not missing:
+                return values  # type: ignore[return-value]
+            self._wait_present(missing, deadline - clock.monotonic(), queues_count=False)
 
     def add(self, key: str, value: int) -> int:
         """Atomically add ``value`` to the integer under ``key`` (0 if absent); return it."""
@@ -362,7 +385,11 @@ class TorchEtcdStore(dist.Store):
         self._until_deadline(f"keys: {list(keys)!r}", self._wait_seconds(timeout),
                              lambda left: self._wait_present(names, left))
 
-    def _wait_present(self, names: list[str | bytes], wait: float) -> None:
+    def _wait_present(self, names: list[str | bytes], wait: float,
+                      queues_count: bool = True) -> None:
+        """Block until every name exists (as a key, or with ``queues_count`` as a
+        non-empty queue), woken by the watch; StoreTimeoutError after ``wait`` seconds,
+        raised at the deadline without reading etcd again."""
         try:
             self._etcd.wait(names, timeout=0)
             return  # every key exists: the common case, answered from the cache
@@ -378,10 +405,12 @@ class TorchEtcdStore(dist.Store):
             registered = []
             for name in missing:  # before looking: a put in between wakes the waiter
                 cache.add_waiter(name, waiter)
-                cache.add_prefix_waiter(queues.item_prefix(name), waiter)
+                if queues_count:
+                    cache.add_prefix_waiter(queues.item_prefix(name), waiter)
                 registered.append(name)
+            present = self._present if queues_count else self._has_key
             try:
-                missing = [n for n in missing if not self._present(n)]
+                missing = [n for n in missing if not present(n)]
                 if not missing:
                     return
                 remaining = deadline - clock.monotonic()
@@ -390,7 +419,8 @@ class TorchEtcdStore(dist.Store):
             finally:
                 for name in registered:
                     cache.remove_waiter(name, waiter)
-                    cache.remove_prefix_waiter(queues.item_prefix(name), waiter)
+                    if queues_count:
+                        cache.remove_prefix_waiter(queues.item_prefix(name), waiter)
 
     def getNumKeys(self) -> int:  # noqa: N802 -- the name torch's C++ calls
         """How many keys exist under the store's prefix, queue items not counted (like
@@ -432,7 +462,7 @@ class TorchEtcdStore(dist.Store):
         cost nothing; the others are read together in as few Txns as etcd allows."""
         names = [self._name(k) for k in keys]
         return self._until_deadline(f"keys: {list(keys)!r}", self._wait_seconds(),
-                                    lambda left: self._etcd.mget(names, timeout=left))
+                                    lambda left: self._get_blocking(names, left))
 
     def multi_set(self, keys: list[str], values: list[bytes | str]) -> None:
         """Write each value under its key: one etcd Txn per 128 keys (``EtcdStore.mset``)."""
