@@ -274,6 +274,10 @@ def is_nonempty(store: EtcdStore, name: str | bytes) -> bool:
                   prefix: int(response.responses[1].response_range.count)}
         replaced = []
         with known.lock:
+            if len(known.waiters) >= _MAX_KNOWN_EMPTY:  # forget what puts have ended
+                replaced += [(p, w) for p, w in known.waiters.items() if w.event.is_set()]
+                for p, _ in replaced:
+                    del known.waiters[p]
             for p in (RESERVED, prefix):
                 if counts[p] or (p != RESERVED and len(known.waiters) >= _MAX_KNOWN_EMPTY):
                     continue

@@ -56,7 +56,7 @@ T = TypeVar("T")
 DEFAULT_PREFIX = "/torch/cachedstore/"
 #: The environment variable a password is read from when none is given (as the CLI does).
 PASSWORD_ENV = "CACHEDSTORE_PASSWORD"
-#: torch's error for a non-blocking pop of an empty queue (torch < 2.7 has no queues and no
+#: torch's error for a non-blocking pop of an empty queue (torch < 2.8 has no queues and no
 #: QueueEmptyError: a DistStoreError then).
 _QueueEmpty: type[Exception] = getattr(dist, "QueueEmptyError", dist.DistStoreError)
 #: A "no timeout" wait (torch's ``kNoTimeout``, a zero timeout) is bounded by this instead.
