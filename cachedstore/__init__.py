@@ -27,6 +27,7 @@ from .errors import (
     TLSError,
 )
 from .exposition import start_metrics_server
+from .queues import QueueEmptyError
 from .store import MISSING, EtcdStore, Versioned
 
 __version__ = "0.1.0"
@@ -45,6 +46,7 @@ __all__ = [
     "KeyNotFoundError",
     "LeaseNotFoundError",
     "NotAnIntegerError",
+    "QueueEmptyError",
     "StoreClosedError",
     "StoreConfig",
     "StoreForkedError",

@@ -21,6 +21,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from . import queues
 from .aio import AsyncFront
 from .cache import NOT_SERVING, CoherentCache
 from .clock import SYSTEM_CLOCK, Clock
@@ -498,10 +499,34 @@ class EtcdStore:
         exists is not an error. One request; blocks for it. Thread-safe."""
         self._writes.revoke_lease(lease)
 
+    # -- queues and key listing (cachedstore.queues) ------------------------------------
+    def queue_push(self, name: Name, value: Value) -> None:
+        """Append ``value`` to the FIFO queue ``name`` (one Txn). Queues are a namespace of
+        their own: queue ``k`` and key ``k`` are unrelated. Blocks for the round trip.
+        Thread-safe; atomic across processes."""
+        queues.push(self, name, value)
+
+    def queue_pop(self, name: Name, block: bool = True, timeout: Timeout = None) -> bytes:
+        """Remove and return the oldest item of queue ``name``; each item is popped exactly
+        once across all processes. ``block=True`` waits on the store's watch (no polling)
+        up to ``timeout`` (default: the store's ``timeout``), then StoreTimeoutError;
+        ``block=False`` raises QueueEmptyError (a KeyError) at once. Thread-safe."""
+        return queues.pop(self, name, block, timeout, clock=self._clock)
+
+    def queue_len(self, name: Name) -> int:
+        """How many items queue ``name`` holds (one count-only range). Thread-safe."""
+        return queues.length(self, name)
+
+    def list_keys(self) -> list[str]:
+        """Every name under the prefix, queue items left out, in etcd's key order
+        (linearizable). Thread-safe."""
+        return queues.list_keys(self)
+
     def num_keys(self) -> int:
-        """How many keys exist under the prefix (one count-only etcd range). Thread-safe."""
+        """How many keys exist under the prefix, queue items not counted, consistent with
+        :meth:`list_keys` (one Txn of count-only ranges). Thread-safe."""
         with self._timed("num_keys"):
-            return self._writes.num_keys()
+            return queues.num_keys(self)
 
     # -- lifecycle -----------------------------------------------------------------------
     def _check_open(self) -> None:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from util import eventually, raw_client, rpc_count
 
 from cachedstore import EtcdStore
+from cachedstore.clock import FakeClock
 from cachedstore.server import free_port
 from cachedstore.torch import TorchEtcdStore
 
@@ -278,3 +279,124 @@ def test_four_processes_init_process_group_all_reduce_barrier_new_group(
     assert {o["rank"]: o["sub"] for o in outputs} == {0: 3.0, 1: 3.0, 2: 7.0, 3: 7.0}
     # The process group's bootstrap went through etcd, under the store's prefix.
     assert raw_client(etcd).get_prefix(prefix, keys_only=True)
+
+
+# --------------------------------------------------- issue 14 item 4: outages inside a wait
+def _run(errors: dict[str, BaseException], name: str, fn) -> threading.Thread:
+    def body() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 -- handed to the test thread
+            errors[name] = exc
+    t = threading.Thread(target=body, name=f"test-{name}")
+    t.start()
+    return t
+
+
+def test_waits_that_end_in_an_outage_raise_torchs_timeout_error(etcd_factory, prefix):
+    server = etcd_factory()
+    store = TorchEtcdStore(endpoints=[server.endpoint], prefix=prefix, request_timeout=1,
+                           timeout=timedelta(seconds=2))
+    errors: dict[str, BaseException] = {}
+    try:
+        threads = [_run(errors, "wait", lambda: store.wait(["never"], timedelta(seconds=2))),
+                   _run(errors, "get", lambda: store.get("never-either")),
+                   _run(errors, "multi_get", lambda: store.multi_get(["nor-this"]))]
+        eventually(lambda: store.etcd_store.stats()["waiters"] >= 3, what="3 waiters")
+        server.kill()  # etcd gone mid-wait: each wait runs into its deadline in the outage
+        for t in threads:
+            t.join(60)
+        assert sorted(errors) == ["get", "multi_get", "wait"]
+        for name, exc in errors.items():
+            # torch's barrier loops catch DistStoreError; DistNetworkError is not one.
+            assert isinstance(exc, dist.DistStoreError), (name, exc)
+            assert not isinstance(exc, dist.DistNetworkError), name
+            assert "timeout" in str(exc), (name, exc)
+    finally:
+        store.close()
+
+
+def test_a_wait_in_an_outage_ends_at_its_deadline_without_another_etcd_read(
+        etcd_factory, prefix):
+    server = etcd_factory()
+    clock = FakeClock()
+    store = TorchEtcdStore(endpoints=[server.endpoint], prefix=prefix, request_timeout=1,
+                           timeout=timedelta(seconds=5), clock=clock)
+    registry = store.etcd_store.registry
+    errors: dict[str, BaseException] = {}
+    try:
+        threads = [_run(errors, "get", lambda: store.get("never")),
+                   _run(errors, "wait", lambda: store.wait(["nor"], timedelta(seconds=5)))]
+        clock.wait_for_waiters(2)  # both parked on the watch, on the fake clock
+        server.kill()
+        reads = rpc_count(registry, "range") + rpc_count(registry, "txn")
+        clock.advance(5)  # the deadline passes during the outage
+        for t in threads:
+            t.join(30)
+        assert sorted(errors) == ["get", "wait"]
+        for exc in errors.values():
+            assert isinstance(exc, dist.DistStoreError) and "timeout" in str(exc)
+        # Raised at the deadline: no read-through (which would wait out request_timeout).
+        assert rpc_count(registry, "range") + rpc_count(registry, "txn") == reads
+    finally:
+        store.close()
+
+
+def test_a_wait_begun_during_an_outage_succeeds_once_etcd_is_back(etcd_factory, prefix):
+    server = etcd_factory()
+    store = TorchEtcdStore(endpoints=[server.endpoint], prefix=prefix, request_timeout=1)
+    errors: dict[str, BaseException] = {}
+    try:
+        server.kill()
+        registry = store.etcd_store.registry
+        t = _run(errors, "wait", lambda: store.wait(["late"], timedelta(seconds=60)))
+        # The wait's first look at etcd failed; it is retrying, not raising.
+        eventually(lambda: sum(s.value for f in registry.collect() if
+                               f.name == "cachedstore_etcd_requests" for s in f.samples
+                               if s.name.endswith("_total")
+                               and s.labels.get("code", "OK") != "OK") >= 1,
+                   timeout=30, what="a failed request")
+        server.restart()
+        raw_client(server).put(prefix + "late", "here")
+        t.join(60)
+        assert not t.is_alive() and errors == {}
+    finally:
+        store.close()
+
+
+# ------------------------------------------------------ issue 14 item 9: pickles and secrets
+def test_pickles_never_carry_the_password(etcd_factory, prefix, tmp_path, monkeypatch):
+    server = etcd_factory()
+    server.enable_auth("s3cret")
+    endpoint = [server.endpoint]
+    inline = TorchEtcdStore(endpoints=endpoint, prefix=prefix, user="root", password="s3cret")
+    try:
+        with pytest.raises(TypeError, match="password_file= or set \\$CACHEDSTORE_PASSWORD"):
+            pickle.dumps(inline)
+        with pytest.raises(TypeError, match="password"):
+            pickle.dumps(inline.clone())
+        inline.set("k", "v")
+    finally:
+        inline.close()
+    secret = tmp_path / "pw"
+    secret.write_text("s3cret\n")
+    monkeypatch.delenv("CACHEDSTORE_PASSWORD", raising=False)
+    with TorchEtcdStore(endpoints=endpoint, prefix=prefix, user="root",
+                        password_file=str(secret)) as from_file:
+        data = pickle.dumps(from_file)
+        assert b"s3cret" not in data and str(secret).encode() in data
+        assert b"s3cret" not in pickle.dumps(from_file.clone())
+        copy = pickle.loads(data)  # reads the file again
+        assert copy.get("k") == b"v"
+        copy.close()
+    monkeypatch.setenv("CACHEDSTORE_PASSWORD", "s3cret")
+    with TorchEtcdStore(endpoints=endpoint, prefix=prefix, user="root") as from_env:
+        data = pickle.dumps(from_env)
+        assert b"s3cret" not in data
+        monkeypatch.delenv("CACHEDSTORE_PASSWORD")
+        with pytest.raises(ValueError, match="CACHEDSTORE_PASSWORD"):
+            pickle.loads(data)  # the other process has no password: a clear error
+        monkeypatch.setenv("CACHEDSTORE_PASSWORD", "s3cret")
+        copy = pickle.loads(data)
+        assert copy.get("k") == b"v"
+        copy.close()

@@ -36,8 +36,16 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture
 def etcd_store(etcd, prefix):
-    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix) as store:
+    """The EtcdStore of run "run": its prefix is the run's, ``<prefix>run/``."""
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=f"{prefix}run/") as store:
         yield store
+
+
+def _instance_of(etcd, run_prefix: str) -> str:
+    """The rendezvous instance named in the header of a run's stored state."""
+    value = raw_client(etcd).get(f"{run_prefix}state")[0]
+    assert value is not None and value.startswith(b"cachedstore-rdzv/1 ")
+    return value.split(b"\n", 1)[0].split(b" ", 1)[1].decode()
 
 
 def _lease_of(etcd, key: str) -> tuple[int, int]:
@@ -52,7 +60,7 @@ def _lease_of(etcd, key: str) -> tuple[int, int]:
 
 
 def test_set_state_is_a_compare_and_swap_on_mod_revision(etcd_store, etcd, prefix):
-    backend = EtcdV3RendezvousBackend(etcd_store, "run", key_prefix=prefix, ttl=100)
+    backend = EtcdV3RendezvousBackend(etcd_store, "run", ttl=100)
     assert backend.name == "etcd-v3" and backend.key == f"{prefix}run/state".encode()
     assert backend.get_state() is None
     state, token, ok = backend.set_state(b"s1")  # no token: only if absent
@@ -72,7 +80,7 @@ def test_set_state_is_a_compare_and_swap_on_mod_revision(etcd_store, etcd, prefi
 
 def test_state_key_has_a_lease_reused_between_writes_and_regranted_when_lost(
         etcd_store, etcd, prefix):
-    backend = EtcdV3RendezvousBackend(etcd_store, "run", key_prefix=prefix, ttl=100)
+    backend = EtcdV3RendezvousBackend(etcd_store, "run", ttl=100)
     _, token, _ = backend.set_state(b"s1")
     key = f"{prefix}run/state"
     lease, granted = _lease_of(etcd, key)
@@ -87,7 +95,7 @@ def test_state_key_has_a_lease_reused_between_writes_and_regranted_when_lost(
 
 
 def test_default_ttl_is_two_hours_like_torchs_etcd_backend(etcd_store, etcd, prefix):
-    backend = EtcdV3RendezvousBackend(etcd_store, "run", key_prefix=prefix)
+    backend = EtcdV3RendezvousBackend(etcd_store, "run")
     backend.set_state(b"s")
     assert backend.ttl == 7200
     assert _lease_of(etcd, f"{prefix}run/state")[1] == 3 * 3600
@@ -114,25 +122,40 @@ def test_entry_point_registers_the_handler_creator(etcd, prefix, monkeypatch):
     assert os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1"
 
 
-def test_rdzv_conf_tls_auth_and_several_endpoints(etcd_factory, tmp_path: Path):
+def test_rdzv_conf_tls_auth_and_several_endpoints(etcd_factory, tmp_path: Path,
+                                                   monkeypatch):
     tls = make_tls_files(tmp_path, client_cert_auth=True)
     server = etcd_factory(tls=tls)
     server.enable_auth("s3cret")
     dead = f"127.0.0.1:{free_port()}"  # first endpoint refuses: the store fails over
-    params = _params(f"{dead},{server.endpoint}", "tlsjob", cacert=tls.ca_cert,
-                     cert=tls.client_cert, key=tls.client_key, user="root",
-                     password="s3cret", prefix="/secure/rdzv", ttl="60",
-                     store_timeout="7", connect_timeout="5")
-    backend, store = create_backend(params)
+    conf = dict(cacert=tls.ca_cert, cert=tls.client_cert, key=tls.client_key, user="root",
+                prefix="/secure/rdzv", ttl="60", store_timeout="7", connect_timeout="5")
+    endpoints = f"{dead},{server.endpoint}"
+    # The password never comes from --rdzv-conf (ps and torchrun's INFO log show it).
+    monkeypatch.delenv("CACHEDSTORE_PASSWORD", raising=False)
+    with pytest.raises(ValueError, match="CACHEDSTORE_PASSWORD"):
+        create_backend(_params(endpoints, "tlsjob", password="s3cret", **conf))
+    with pytest.raises(ValueError, match="needs a password"):
+        create_backend(_params(endpoints, "tlsjob", **conf))
+    secret = tmp_path / "password"
+    secret.write_text("s3cret\n")
+    backend, store = create_backend(_params(endpoints, "tlsjob", password_file=str(secret),
+                                            **conf))
+    store.close()
+    monkeypatch.setenv("CACHEDSTORE_PASSWORD", "s3cret")
+    backend, store = create_backend(_params(endpoints, "tlsjob", **conf))
     try:
         assert isinstance(store, TorchEtcdStore)
-        assert store.prefix == b"/secure/rdzv/tlsjob/store/"  # run-scoped
+        assert store.prefix == b"/secure/rdzv/tlsjob/"  # run-scoped
         assert store.timeout.total_seconds() == 7
         assert backend.set_state(b"state")[2]
         store.set("MASTER_ADDR", "127.0.0.1")
         got = server.etcdctl("get", "/secure/rdzv/tlsjob/state", "--print-value-only",
                              user="root", password="s3cret").stdout.strip()
-        assert got == "state"
+        assert got.endswith("\nstate")  # torch's bytes, behind the instance header
+        key = f"/secure/rdzv/tlsjob/store/{backend.instance}/MASTER_ADDR"
+        assert server.etcdctl("get", key, "--print-value-only", user="root",
+                              password="s3cret").stdout.strip() == "127.0.0.1"
     finally:
         store.close()
     assert store.etcd_store.closed  # the rendezvous store owns its connection
@@ -211,7 +234,9 @@ def test_two_agents_two_workers_rendezvous_and_all_reduce(etcd, prefix, tmp_path
     state, meta = raw.get(f"{prefix}{run_id}/state")
     assert state and meta.lease_id  # the rendezvous state, on a lease
     # The agents exchanged the workers' master address through the run-scoped store.
-    master = raw.get(f"{prefix}{run_id}/store/torch.rendezvous.{run_id}.0/MASTER_ADDR")[0]
+    instance = _instance_of(etcd, f"{prefix}{run_id}/")
+    master = raw.get(
+        f"{prefix}{run_id}/store/{instance}/torch.rendezvous.{run_id}.0/MASTER_ADDR")[0]
     assert master == b"127.0.0.1"
 
 
@@ -227,4 +252,6 @@ def test_a_failed_worker_restarts_the_group_which_completes(etcd, prefix, tmp_pa
     assert "1" in done.values()  # the failed agent's workers completed in a restart
     # Round 0 failed, round 1 completed: both went through the etcd store.
     raw = raw_client(etcd)
-    assert raw.get(f"{prefix}{run_id}/store/torch.rendezvous.{run_id}.1/MASTER_ADDR")[0]
+    instance = _instance_of(etcd, f"{prefix}{run_id}/")
+    assert raw.get(
+        f"{prefix}{run_id}/store/{instance}/torch.rendezvous.{run_id}.1/MASTER_ADDR")[0]

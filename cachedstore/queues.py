@@ -1,0 +1,350 @@
+"""FIFO queues and key listing on an :class:`~cachedstore.EtcdStore` (torch Store semantics).
+
+A module below the store (it never imports :mod:`cachedstore.store`): ``EtcdStore``'s
+``queue_push``/``queue_pop``/``queue_len``/``list_keys`` call the functions here.
+
+Layout. Queue names and key names are separate namespaces, as in torch's ``HashStore`` and
+``TCPStore``: a queue ``q`` and a key ``q`` can coexist. Each pushed item is one etcd key::
+
+    <store prefix> NUL "queue/" <queue name, percent-encoded> "/" <16 random hex digits>
+
+The leading NUL byte (:data:`RESERVED`) keeps items out of the way of every name torch or a
+person would choose; percent-encoding (``/`` becomes ``%2F``) keeps queue ``a`` from seeing
+the items of queue ``a/b``. Items are ordered by etcd's creation revision, so FIFO is the
+order in which etcd committed the pushes. :func:`num_keys` and :func:`list_keys` leave the
+queue namespace out, like torch's stores, which count and list keys but not queue items.
+
+Atomicity. :func:`push` is a put-if-absent Txn. :func:`pop` is etcd's queue recipe: read the
+oldest item, then delete it in a Txn guarded by its ``mod_revision``; a popper that loses
+the race gets the new oldest item in the same response and tries that one, so each item is
+popped exactly once across processes, and a loser costs one Txn, never a re-read by every
+waiter. Within one store only one blocked popper per queue asks etcd at a time (the others
+wait their turn in-process), so a push wakes at most one popper per process.
+
+Blocking. A blocked pop waits on the store's watch (a prefix waiter on the queue's item
+prefix): no polling, no extra stream. It is woken by the put of an item, and nudged on
+resync and close.
+
+Costs (etcd requests): push 1 Txn; pop 2 (range + Txn), 1 Txn when the same store popped
+that queue before and remembers the next item; a lost race +1 Txn; ``queue_len`` 1
+count-only range; ``num_keys`` 1 Txn of two count-only ranges; ``list_keys`` 2 keys-only
+ranges (more on key spaces over 10,000 keys).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+from . import etcdapi
+from .cache import ThreadWaiter
+from .clock import SYSTEM_CLOCK, Clock
+from .config import seconds
+from .connection import UNSENT_ONLY
+from .errors import KeyNotFoundError, StoreTimeoutError
+from .keys import prefix_range_end, to_value
+
+if TYPE_CHECKING:  # the store imports this module, never the other way at run time
+    from datetime import timedelta
+
+    from .store import EtcdStore
+
+__all__ = [
+    "RESERVED",
+    "QueueEmptyError",
+    "is_nonempty",
+    "item_prefix",
+    "length",
+    "list_keys",
+    "num_keys",
+    "pop",
+    "push",
+]
+
+#: Canonical-name prefix of every queue item; names starting with it belong to queues.
+RESERVED = "\x00queue/"
+#: Keys listed per etcd range request by :func:`list_keys`.
+_PAGE = 10_000
+#: Most queues per store whose emptiness :func:`is_nonempty` remembers.
+_MAX_KNOWN_EMPTY = 64
+
+
+class QueueEmptyError(KeyNotFoundError):
+    """A non-blocking :func:`pop` found the queue empty (a KeyError)."""
+
+    def __str__(self) -> str:
+        return f"queue is empty: {self.name!r}"
+
+
+def item_prefix(canonical: str) -> str:
+    """The canonical-name prefix of the items of queue ``canonical``."""
+    encoded = quote(canonical.encode("utf-8", "surrogateescape"), safe="")
+    return f"{RESERVED}{encoded}/"
+
+
+def _item_range(store: EtcdStore, canonical: str) -> tuple[bytes, bytes]:
+    return _prefix_range(store, item_prefix(canonical))
+
+
+def _oldest(start: bytes, end: bytes) -> Any:
+    return etcdapi.range_prefix(start, end, limit=1, oldest_first=True)
+
+
+# -- push / pop / length -----------------------------------------------------------------
+def push(store: EtcdStore, name: str | bytes, value: str | bytes) -> None:
+    """Append ``value`` to queue ``name``: one put-if-absent Txn of a new item key.
+
+    Blocks for the round trip; wakes this store's blocked poppers at once and the others'
+    through their watches. Like ``set``, it is not re-sent once it may have reached etcd
+    (EtcdConnectionError then says the outcome is unknown). Thread-safe."""
+    canonical = store._keys.canonical(name)
+    data = to_value(value)
+    prefix = item_prefix(canonical)
+    store._check_open()
+    deadline = store._conn.deadline()
+    while True:
+        item = prefix + os.urandom(8).hex()
+        key = store._keys.key(item)
+        store._keys.check_size(key, data)
+        request = etcdapi.txn([etcdapi.absent(key)], [etcdapi.op_put(etcdapi.put(key, data))])
+        response = store._conn.call("txn", request, deadline=deadline, retry=UNSENT_ONLY)
+        if response.succeeded:  # else: 64 random bits collided; draw again
+            store._cache.apply_write(item, data, response.header.revision)
+            return
+
+
+class _Gate:
+    """Per store and queue: one blocked popper talks to etcd at a time; the item it saw
+    next in line (a guess that saves the range request of the following pop)."""
+
+    __slots__ = ("lock", "guess")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.guess: Any = None
+
+
+_gates: weakref.WeakKeyDictionary[Any, dict[str, _Gate]] = weakref.WeakKeyDictionary()
+_gates_lock = threading.Lock()
+
+
+def _gate(store: EtcdStore, canonical: str) -> _Gate:
+    with _gates_lock:
+        gates = _gates.setdefault(store, {})
+        gate = gates.get(canonical)
+        if gate is None:
+            gate = gates[canonical] = _Gate()
+        return gate
+
+
+def _take(store: EtcdStore, start: bytes, end: bytes, guess: Any) -> tuple[bytes | None, Any]:
+    """Pop the oldest item of ``[start, end)``: (its value or None if the queue is empty,
+    the next item as a guess for the following pop, or None)."""
+    conn = store._conn
+    deadline = conn.deadline()
+    if guess is None:
+        kvs = conn.call("range", _oldest(start, end), deadline=deadline).kvs
+        if not kvs:
+            return None, None
+        guess = kvs[0]
+    while True:
+        request = etcdapi.txn(
+            [etcdapi.unmodified(guess.key, guess.mod_revision)],
+            [etcdapi.op_delete(etcdapi.delete(guess.key)), etcdapi.op_range(_oldest(start, end))],
+            [etcdapi.op_range(_oldest(start, end))])
+        response = conn.call("txn", request, deadline=deadline, retry=UNSENT_ONLY)
+        if response.succeeded:
+            name = store._keys.name_of(guess.key)
+            if name is not None:
+                store._cache.apply_write(name, None, response.header.revision)
+            after = response.responses[1].response_range.kvs
+            return bytes(guess.value), (after[0] if after else None)
+        current = response.responses[0].response_range.kvs
+        if not current:
+            return None, None  # someone else took the last item
+        guess = current[0]  # lost the race: try the new oldest item
+
+
+def pop(store: EtcdStore, name: str | bytes, block: bool = True,
+        timeout: float | timedelta | None = None, *, clock: Clock = SYSTEM_CLOCK) -> bytes:
+    """Remove and return the oldest item of queue ``name``.
+
+    ``block=False``: raise :class:`QueueEmptyError` at once if the queue is empty.
+    ``block=True``: wait (on the store's watch) for an item until ``timeout`` (default: the
+    store's ``timeout``) and raise :class:`~cachedstore.StoreTimeoutError` when it passes.
+    Each item is returned by exactly one pop across all processes. The delete Txn is not
+    re-sent once it may have reached etcd: EtcdConnectionError then says the outcome is
+    unknown (the item may have been taken). StoreClosedError if the store is closed while
+    waiting. Thread-safe. ``clock`` times the wait (a FakeClock in tests)."""
+    canonical = store._keys.canonical(name)
+    wait = seconds(timeout)
+    store._check_open()
+    start, end = _item_range(store, canonical)
+    if not block:
+        value, _ = _take(store, start, end, None)
+        if value is None:
+            raise QueueEmptyError(name)
+        return value
+    budget = store._config.timeout if wait is None else wait
+    deadline = clock.monotonic() + budget
+    gate = _gate(store, canonical)
+    if not gate.lock.acquire(timeout=max(0.0, min(budget, threading.TIMEOUT_MAX))):
+        raise StoreTimeoutError(f"timed out after {budget:g} s waiting for queue {name!r}")
+    prefix = item_prefix(canonical)
+    waiter = ThreadWaiter()
+    store._cache.add_prefix_waiter(prefix, waiter)
+    try:
+        while True:
+            store._check_open()
+            waiter.event.clear()
+            value, gate.guess = _take(store, start, end, gate.guess)
+            if value is not None:
+                return value
+            remaining = deadline - clock.monotonic()
+            if remaining <= 0:
+                raise StoreTimeoutError(
+                    f"timed out after {budget:g} s waiting for queue {name!r}")
+            clock.wait(waiter.event, min(remaining, threading.TIMEOUT_MAX))
+    finally:
+        store._cache.remove_prefix_waiter(prefix, waiter)
+        gate.lock.release()
+
+
+def length(store: EtcdStore, name: str | bytes) -> int:
+    """How many items queue ``name`` holds (0 if it never existed): one count-only range.
+    Thread-safe."""
+    canonical = store._keys.canonical(name)
+    store._check_open()
+    start, end = _item_range(store, canonical)
+    request = etcdapi.range_prefix(start, end, count_only=True)
+    return int(store._conn.call("range", request, deadline=store._conn.deadline()).count)
+
+
+# -- emptiness, remembered while the watch vouches for it ----------------------------------
+class _KnownEmpty:
+    """Item prefixes of one store known to hold no item: :data:`RESERVED` (no queue has an
+    item) or one queue's. Each holds a prefix waiter registered before the count that found
+    it empty, so any later put of an item (through the watch, or a local push) sets its
+    event and ends the knowledge; so do a resync and close."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.waiters: dict[str, ThreadWaiter] = {}
+
+    def says_empty(self, prefix: str) -> bool:
+        with self.lock:
+            waiter = self.waiters.get(prefix)
+            return waiter is not None and not waiter.event.is_set()
+
+
+_known_empty: weakref.WeakKeyDictionary[Any, _KnownEmpty] = weakref.WeakKeyDictionary()
+
+
+def is_nonempty(store: EtcdStore, name: str | bytes) -> bool:
+    """True if queue ``name`` holds an item (torch's ``check``/``wait`` treat a non-empty
+    queue as an existing key).
+
+    Emptiness is remembered, while the watch is healthy, until the watch or a local push
+    delivers the put of an item, a resync, or close: first for all queues at once (a store
+    whose queues are all empty answers every name without a request), else per queue (up
+    to 64 per store). Otherwise one Txn of two count-only ranges. Coherent like a cached
+    read: an item another process pushed is seen once this store's watch has applied it.
+    Thread-safe."""
+    canonical = store._keys.canonical(name)
+    store._check_open()
+    with _gates_lock:
+        known = _known_empty.setdefault(store, _KnownEmpty())
+    prefix = item_prefix(canonical)
+    healthy = store.watch_healthy
+    if healthy and (known.says_empty(RESERVED) or known.says_empty(prefix)):
+        return False
+    fresh = {RESERVED: ThreadWaiter(), prefix: ThreadWaiter()}
+    for p, waiter in fresh.items():  # before the count: no put slips by unseen
+        store._cache.add_prefix_waiter(p, waiter)
+    kept: set[str] = set()
+    try:
+        ranges = [etcdapi.op_range(etcdapi.range_prefix(s, e, count_only=True)) for s, e in (
+            _prefix_range(store, RESERVED), _prefix_range(store, prefix))]
+        response = store._conn.call("txn", etcdapi.txn(success=ranges),
+                                    deadline=store._conn.deadline())
+        counts = {RESERVED: int(response.responses[0].response_range.count),
+                  prefix: int(response.responses[1].response_range.count)}
+        replaced = []
+        with known.lock:
+            if len(known.waiters) >= _MAX_KNOWN_EMPTY:  # forget what puts have ended
+                replaced += [(p, w) for p, w in known.waiters.items() if w.event.is_set()]
+                for p, _ in replaced:
+                    del known.waiters[p]
+            for p in (RESERVED, prefix):
+                if counts[p] or (p != RESERVED and len(known.waiters) >= _MAX_KNOWN_EMPTY):
+                    continue
+                old = known.waiters.pop(p, None)
+                if old is not None:
+                    replaced.append((p, old))
+                known.waiters[p] = fresh[p]
+                kept.add(p)
+        for p, old in replaced:
+            store._cache.remove_prefix_waiter(p, old)
+        return counts[prefix] > 0
+    finally:
+        for p, waiter in fresh.items():
+            if p not in kept:
+                store._cache.remove_prefix_waiter(p, waiter)
+
+
+def _prefix_range(store: EtcdStore, canonical_prefix: str) -> tuple[bytes, bytes]:
+    start = store._keys.key(canonical_prefix)
+    return start, prefix_range_end(start)
+
+
+# -- counting and listing keys -------------------------------------------------------------
+def _key_ranges(store: EtcdStore, under: str) -> list[tuple[bytes, bytes]]:
+    """The etcd ranges holding the store's keys whose names start with ``under``, queue
+    items excluded."""
+    keys = store._keys
+    if under:
+        if under.startswith(RESERVED):
+            return []
+        start = keys.key(under)
+        return [(start, prefix_range_end(start))]
+    queue_start = keys.key(RESERVED)
+    return [(keys.range_start, queue_start), (prefix_range_end(queue_start), keys.range_end)]
+
+
+def num_keys(store: EtcdStore, under: str = "") -> int:
+    """How many keys exist under the store's prefix (names starting with ``under``), queue
+    items not counted: one Txn of count-only ranges. Thread-safe."""
+    store._check_open()
+    ranges = _key_ranges(store, under)
+    if not ranges:
+        return 0
+    ops = [etcdapi.op_range(etcdapi.range_prefix(s, e, count_only=True)) for s, e in ranges]
+    response = store._conn.call("txn", etcdapi.txn(success=ops),
+                                deadline=store._conn.deadline())
+    return sum(int(r.response_range.count) for r in response.responses)
+
+
+def list_keys(store: EtcdStore, under: str = "") -> list[str]:
+    """Every key name under the store's prefix (starting with ``under``, which is stripped),
+    queue items left out, in etcd's key order. Linearizable; keys-only ranges of up to
+    10,000 keys each. Names are canonical ``str`` (bytes decoded with surrogateescape).
+    Thread-safe."""
+    store._check_open()
+    out: list[str] = []
+    cut = len(under)
+    for start, end in _key_ranges(store, under):
+        cursor = start
+        while True:
+            request = etcdapi.range_prefix(cursor, end, keys_only=True, limit=_PAGE)
+            response = store._conn.call("range", request, deadline=store._conn.deadline())
+            for kv in response.kvs:
+                name = store._keys.name_of(kv.key)
+                if name is not None:
+                    out.append(name[cut:])
+            if not response.more or not response.kvs:
+                break
+            cursor = bytes(response.kvs[-1].key) + b"\0"
+    return out

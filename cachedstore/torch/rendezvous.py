@@ -1,0 +1,386 @@
+"""torchrun's ``etcd-v3`` rendezvous: a backend for torch's ``DynamicRendezvousHandler``.
+
+Registered under the ``torchrun.handlers`` entry point as ``etcd-v3`` (see
+:func:`cachedstore.torch.create_rdzv_handler`)::
+
+    torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=etcd-v3 \\
+             --rdzv-endpoint=etcd1:2379,etcd2:2379 --rdzv-id=job42 train.py
+
+Keys of a run, under ``<prefix><run_id>/`` (one :class:`~cachedstore.EtcdStore` per agent):
+
+- ``state``: torch's rendezvous state, behind a header naming the rendezvous *instance*
+  (a random id drawn when the key is created). It sits on a lease and disappears
+  ``ttl`` to ``1.5 × ttl`` after its last write.
+- ``store/<instance>/...``: the keys of the store torch hands to the agents and workers.
+  A rerun with the same ``--rdzv-id`` after the state expired creates a new instance, so
+  it never reads the previous run's ``MASTER_ADDR``/``MASTER_PORT`` (etcd keeps the old
+  instance's keys until someone deletes them: ``etcdctl del --prefix <prefix><run_id>/``).
+
+The backend uses the store's public CAS and lease API (``read``, ``put_if``,
+``grant_lease``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+import threading
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousParameters,
+    RendezvousStateError,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    RendezvousBackend,
+    Token,
+    create_handler,
+)
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+from ..clock import SYSTEM_CLOCK, Clock
+from ..errors import CachedStoreError, EtcdConnectionError, LeaseNotFoundError
+from ..store import EtcdStore, Versioned
+from .store import PASSWORD_ENV, TorchEtcdStore, _Shared, read_password
+
+__all__ = [
+    "DEFAULT_RDZV_PREFIX",
+    "LIMITS",
+    "EtcdV3RendezvousBackend",
+    "create_backend",
+    "create_handler_for",
+]
+
+#: Default key prefix of the rendezvous backend (``--rdzv-conf prefix=...`` overrides it).
+DEFAULT_RDZV_PREFIX = "/torch/elastic/v3/"
+#: The state key, relative to the run's prefix.
+STATE = "state"
+#: The header of the stored state: magic, the instance id (32 hex digits), a newline.
+_MAGIC = b"cachedstore-rdzv/1 "
+_HEADER = len(_MAGIC) + 32 + 1
+
+#: ``--rdzv-conf`` keys in seconds: (default, largest accepted value).
+LIMITS: dict[str, tuple[float | None, float]] = {
+    "ttl": (7200.0, 30 * 24 * 3600.0),
+    "store_timeout": (300.0, 30 * 24 * 3600.0),
+    "request_timeout": (None, 3600.0),
+    "read_timeout": (None, 3600.0),
+    "connect_timeout": (None, 3600.0),
+}
+#: torch's default ``keep_alive_interval`` (seconds): ``ttl`` must be at least twice it.
+_KEEP_ALIVE_DEFAULT = 5.0
+
+
+def _encode(instance: str, state: bytes) -> bytes:
+    return _MAGIC + instance.encode() + b"\n" + state
+
+
+def _decode(value: bytes) -> tuple[str, bytes]:
+    """(instance, torch's state) of a stored value; a value without the header (written
+    by something else) is its own instance, "foreign"."""
+    if value.startswith(_MAGIC) and len(value) >= _HEADER and value[_HEADER - 1:_HEADER] == b"\n":
+        return value[len(_MAGIC):_HEADER - 1].decode("ascii", "replace"), value[_HEADER:]
+    return "foreign", value
+
+
+class EtcdV3RendezvousBackend(RendezvousBackend):
+    """A ``RendezvousBackend`` for torch's ``DynamicRendezvousHandler`` on etcd v3.
+
+    The state lives in the key ``state`` of ``store`` (whose prefix is the run's,
+    ``<prefix><run_id>/``). ``set_state`` is one ``put_if``: compare the key's
+    ``mod_revision`` with the fencing token (or its absence when there is no token), put
+    on success, return the current value on failure. The token is the ``mod_revision``.
+    The key is attached to a lease, so an abandoned rendezvous disappears: it expires
+    between ``ttl`` and ``1.5 × ttl`` after the last write (a backend reuses one lease of
+    ``1.5 × ttl`` for ``ttl / 2``, so that a heartbeat every few seconds does not create a
+    lease each time). ``ttl`` defaults to two hours, like torch's etcd backend.
+
+    The stored value carries the rendezvous instance (see the module docstring);
+    :attr:`instance` is the one of the state last read or written, the scope of the run's
+    store.
+
+    Args:
+        store: the :class:`~cachedstore.EtcdStore` of the run (not closed here).
+        run_id: the rendezvous id (``--rdzv-id``), for messages.
+        ttl: seconds, finite and > 0; None means two hours.
+        clock: times the lease renewal.
+
+    Thread-safe (torch calls it from the agent's main thread and its keep-alive timer).
+    Raises ``RendezvousConnectionError`` when etcd cannot be reached.
+    """
+
+    DEFAULT_TTL = 7200.0
+
+    def __init__(self, store: EtcdStore, run_id: str, *, ttl: float | None = None,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
+        if not run_id:
+            raise ValueError("The run id must be a non-empty string.")
+        if ttl is not None and not (0 < ttl < math.inf):
+            raise ValueError(f"ttl must be a finite number of seconds > 0, got {ttl!r}")
+        self._store = store
+        self._run_id = run_id
+        self._ttl = float(ttl) if ttl is not None else self.DEFAULT_TTL
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._lease_id = 0
+        self._lease_renew_at = 0.0
+        self._instance: str | None = None
+        self._instances: dict[int, str] = {}  # token -> instance, for recent tokens
+
+    @property
+    def name(self) -> str:
+        return "etcd-v3"
+
+    @property
+    def key(self) -> bytes:
+        """The etcd key holding the rendezvous state."""
+        return self._store.prefix + STATE.encode()
+
+    @property
+    def ttl(self) -> float:
+        return self._ttl
+
+    @property
+    def instance(self) -> str | None:
+        """The rendezvous instance of the state last seen, or None before any."""
+        return self._instance
+
+    def store_scope(self) -> str:
+        """The name prefix of the run's store keys: ``store/<instance>/``. Raises
+        ``DistStoreError`` before the backend has seen a state (before a rendezvous)."""
+        instance = self._instance
+        if instance is None:
+            raise dist.DistStoreError(
+                f"etcd-v3 rendezvous {self._run_id!r}: the store is used before a rendezvous")
+        return f"store/{instance}/"
+
+    def _seen(self, versioned: Versioned) -> tuple[bytes, int]:
+        instance, state = _decode(versioned.value)
+        with self._lock:
+            self._instance = instance
+            self._instances[versioned.mod_revision] = instance
+            while len(self._instances) > 16:
+                del self._instances[next(iter(self._instances))]
+        return state, versioned.mod_revision
+
+    def _read(self) -> Versioned | None:
+        try:
+            return self._store.read(STATE)
+        except CachedStoreError as exc:
+            raise RendezvousConnectionError(
+                f"etcd-v3 rendezvous: reading {self.key!r} failed: {exc}") from exc
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        """The state and its token (``mod_revision``), or None; one linearizable read."""
+        current = self._read()
+        return None if current is None else self._seen(current)
+
+    def set_state(self, state: bytes, token: Token | None = None
+                  ) -> tuple[bytes, Token, bool] | None:
+        """Write ``state`` if the stored token is still ``token`` (absent when None); return
+        (state, token, True) on success, else the stored (state, token, False), or None if
+        there is no state. One Txn (plus a lease grant every ``ttl / 2``)."""
+        revision = 0
+        if token is not None:
+            try:
+                revision = int(token)
+            except (TypeError, ValueError):
+                revision = -1
+            if revision <= 0:
+                latest = self.get_state()
+                return None if latest is None else (*latest, False)
+        if revision:
+            with self._lock:
+                instance = self._instances.get(revision)
+            if instance is None:  # a token we did not hand out: is it still current?
+                current = self._read()
+                if current is None:
+                    return None
+                if current.mod_revision != revision:
+                    return (*self._seen(current), False)
+                instance = _decode(current.value)[0]
+        else:
+            instance = secrets.token_hex(16)  # a new rendezvous instance
+        state = bytes(state)
+        value = _encode(instance, state)
+        for attempt in range(2):
+            lease = self._lease()
+            try:
+                ok, found = self._store.put_if(STATE, value, mod_revision=revision,
+                                               lease=lease)
+            except LeaseNotFoundError:
+                if attempt == 0:
+                    self._forget_lease(lease)  # expired or revoked under us: take a new one
+                    continue
+                raise RendezvousStateError(
+                    "etcd-v3 rendezvous: the state key's lease keeps vanishing") from None
+            except EtcdConnectionError as exc:
+                return self._after_unknown_outcome(value, exc)
+            except CachedStoreError as exc:
+                raise RendezvousConnectionError(
+                    f"etcd-v3 rendezvous: writing {self.key!r} failed: {exc}") from exc
+            if found is None:
+                return None
+            got, new_token = self._seen(found)
+            return got, new_token, ok
+        raise RendezvousStateError("etcd-v3 rendezvous: the state key's lease keeps vanishing")
+
+    def _after_unknown_outcome(self, value: bytes, exc: Exception
+                               ) -> tuple[bytes, Token, bool] | None:
+        """The Txn may or may not have been applied: read the key and decide. The state
+        carries per-node heartbeat times (and the instance), so equal bytes mean our write
+        landed."""
+        try:
+            current = self._read()
+        except RendezvousConnectionError:
+            raise RendezvousConnectionError(
+                f"etcd-v3 rendezvous: writing {self.key!r} failed: {exc}") from exc
+        if current is None:
+            return None
+        state, token = self._seen(current)
+        return state, token, current.value == value
+
+    def _lease(self) -> int:
+        """A lease id to attach the state to, granted anew every ``ttl / 2``."""
+        with self._lock:
+            now = self._clock.monotonic()
+            if self._lease_id and now < self._lease_renew_at:
+                return self._lease_id
+        try:
+            lease = self._store.grant_lease(math.ceil(self._ttl * 1.5))
+        except CachedStoreError as exc:
+            raise RendezvousConnectionError(
+                f"etcd-v3 rendezvous: granting a lease failed: {exc}") from exc
+        with self._lock:
+            self._lease_id = lease
+            self._lease_renew_at = now + self._ttl / 2
+        return lease
+
+    def _forget_lease(self, lease: int) -> None:
+        with self._lock:
+            if self._lease_id == lease:
+                self._lease_id = 0
+
+
+# -- parameters ---------------------------------------------------------------------------
+def _endpoints(endpoint: str | None) -> list[str]:
+    """``"h1:2379,h2"`` → ``["h1:2379", "h2:2379"]``; empty → ``["localhost:2379"]``."""
+    out = []
+    for part in (endpoint or "").split(","):
+        if part.strip():
+            host, port = parse_rendezvous_endpoint(part, default_port=2379)
+            out.append(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    return out or ["localhost:2379"]
+
+
+def _conf(params: RendezvousParameters, *names: str) -> str | None:
+    for name in names:
+        value = params.get(name)
+        if value not in (None, ""):
+            return str(value)
+    return None
+
+
+def _conf_seconds(params: RendezvousParameters, name: str) -> float | None:
+    """``--rdzv-conf name=...`` in seconds: finite, > 0 and at most ``LIMITS[name]``'s
+    bound; its default if absent. ValueError naming the key otherwise."""
+    default, upper = LIMITS[name]
+    value = _conf(params, name)
+    if value is None:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"--rdzv-conf {name}={value!r} is not a number of seconds") from None
+    if not 0 < seconds <= upper:  # also refuses nan and inf
+        raise ValueError(f"--rdzv-conf {name}={value!r}: must be a finite number of seconds "
+                         f"> 0 and <= {upper:g}")
+    return seconds
+
+
+def _run_id(params: RendezvousParameters) -> str:
+    run_id = params.run_id
+    if not run_id or "/" in run_id or "\0" in run_id:
+        raise ValueError(f"--rdzv-id {run_id!r}: must be non-empty, without '/' (it would "
+                         f"nest inside another run's keys) or NUL")
+    return run_id
+
+
+def _keep_alive(params: RendezvousParameters) -> float:
+    value = _conf(params, "keep_alive_interval")
+    if value is None:
+        return _KEEP_ALIVE_DEFAULT
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"--rdzv-conf keep_alive_interval={value!r} is not a number of "
+                         f"seconds") from None
+
+
+def create_backend(params: RendezvousParameters
+                   ) -> tuple[EtcdV3RendezvousBackend, TorchEtcdStore]:
+    """The backend and the worker-facing store for ``params`` (see
+    :func:`cachedstore.torch.create_rdzv_handler` for the ``--rdzv-conf`` keys). Validates
+    every value first (ValueError naming the key), then connects to etcd (raises
+    RendezvousConnectionError)."""
+    run_id = _run_id(params)
+    prefix = _conf(params, "prefix") or DEFAULT_RDZV_PREFIX
+    if not prefix.endswith("/"):
+        prefix += "/"
+    cert = _conf(params, "cert", "ssl_cert")
+    key = _conf(params, "key", "ssl_cert_key")
+    if (cert is None) != (key is None):
+        raise ValueError("--rdzv-conf: give both cert= and key=, or neither")
+    if _conf(params, "password") is not None:
+        raise ValueError(f"--rdzv-conf password= would be visible in ps and in torchrun's "
+                         f"logs: set ${PASSWORD_ENV} or --rdzv-conf password_file=PATH")
+    user = _conf(params, "user")
+    password_file = _conf(params, "password_file")
+    password = read_password(password_file) if user is not None else None
+    if user is not None and password is None:
+        raise ValueError(f"--rdzv-conf user={user!r} needs a password: set ${PASSWORD_ENV} "
+                         f"or --rdzv-conf password_file=PATH")
+    if user is None and password_file is not None:
+        raise ValueError("--rdzv-conf password_file= needs user=")
+    ttl = _conf_seconds(params, "ttl")
+    assert ttl is not None
+    keep_alive = _keep_alive(params)
+    if ttl < 2 * keep_alive:
+        raise ValueError(f"--rdzv-conf ttl={ttl:g} is below twice keep_alive_interval "
+                         f"({keep_alive:g} s): the state would expire between heartbeats")
+    store_timeout = _conf_seconds(params, "store_timeout")
+    request_timeout = _conf_seconds(params, "request_timeout") or _conf_seconds(
+        params, "read_timeout")
+    connect_timeout = _conf_seconds(params, "connect_timeout")
+    try:
+        etcd = EtcdStore(
+            endpoints=_endpoints(params.endpoint), prefix=f"{prefix}{run_id}/",
+            ca_cert=_conf(params, "cacert", "ca_cert"), cert_cert=cert, cert_key=key,
+            user=user, password=password, request_timeout=request_timeout,
+            connect_timeout=connect_timeout)
+    except CachedStoreError as exc:
+        raise RendezvousConnectionError(
+            f"etcd-v3 rendezvous: cannot connect to etcd at {params.endpoint!r}: {exc}"
+        ) from exc
+    backend = EtcdV3RendezvousBackend(etcd, run_id, ttl=ttl)
+    store = TorchEtcdStore._on(_Shared(etcd, owned=True, spec=None), store_timeout or 300.0,
+                               scope=backend.store_scope)
+    return backend, store
+
+
+def create_handler_for(params: RendezvousParameters) -> RendezvousHandler:
+    """The ``DynamicRendezvousHandler`` of ``params`` (what torchrun's entry point returns;
+    see :func:`cachedstore.torch.create_rdzv_handler`)."""
+    if not params.get_as_bool("share_agent_store", False):
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    backend, store = create_backend(params)
+    try:
+        handler: RendezvousHandler = create_handler(store, backend, params)
+    except BaseException:
+        store.close()
+        raise
+    return handler
+

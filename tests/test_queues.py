@@ -1,0 +1,230 @@
+"""cachedstore.queues on real etcd: FIFO, namespaces, blocking on the watch, exactly-once
+pops across processes, lost races, and the emptiness the store remembers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+from util import eventually, raw_client, rpc_count
+
+from cachedstore import EtcdStore, StoreClosedError, StoreTimeoutError, queues
+from cachedstore.clock import FakeClock
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+def store(etcd, prefix):
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix) as s:
+        yield s
+
+
+def _another(etcd, prefix) -> EtcdStore:
+    return EtcdStore(endpoints=[etcd.endpoint], prefix=prefix)
+
+
+def test_fifo_length_and_the_store_methods(store):
+    assert store.queue_len("q") == 0
+    for v in ("1", b"2", "3"):
+        store.queue_push("q", v)
+    assert store.queue_len("q") == 3
+    assert [store.queue_pop("q") for _ in range(3)] == [b"1", b"2", b"3"]
+    assert store.queue_len("q") == 0
+    with pytest.raises(queues.QueueEmptyError, match="queue is empty") as info:
+        store.queue_pop("q", block=False)
+    assert isinstance(info.value, KeyError)
+    store.queue_push("q", "x")
+    assert store.queue_pop("q", block=False) == b"x"
+
+
+def test_queues_and_keys_are_separate_namespaces(store, etcd, prefix):
+    store.set("a", "key")
+    store.set("z", "key")
+    store.queue_push("a", "item")
+    store.queue_push("a/b", "nested")  # a queue whose name extends another's
+    assert store.get("a") == b"key"
+    assert store.num_keys() >= 2  # EtcdStore.num_keys: the lead's (counts every key)
+    assert queues.num_keys(store) == 2  # torch's count: keys only, like HashStore
+    assert store.list_keys() == ["a", "z"]
+    assert store.queue_len("a") == 1 and store.queue_len("a/b") == 1
+    assert store.queue_pop("a") == b"item" and store.queue_len("a/b") == 1
+    # The items' etcd keys: under the prefix, behind a NUL, the name percent-encoded.
+    keys = [m.key for _, m in raw_client(etcd).get_prefix(prefix)]
+    item = [k for k in keys if k.startswith(prefix.encode() + b"\x00queue/")]
+    assert len(item) == 1 and item[0].startswith(prefix.encode() + b"\x00queue/a%2Fb/")
+
+
+def test_list_keys_pages_and_names_under_a_scope(store, monkeypatch):
+    monkeypatch.setattr(queues, "_PAGE", 2)
+    names = [f"k{i}" for i in range(5)] + ["s/x", "s/y"]
+    for n in names:
+        store.set(n, "v")
+    store.queue_push("s/q", "item")
+    assert queues.list_keys(store) == sorted(names)
+    assert queues.list_keys(store, under="s/") == ["x", "y"]
+    assert queues.num_keys(store, under="s/") == 2
+
+
+def test_a_blocked_pop_is_woken_by_the_watch_not_by_polling(store, etcd, prefix):
+    clock = FakeClock()  # never advanced: only the watch event can end this wait
+    got: list[bytes] = []
+    popper = threading.Thread(target=lambda: got.append(queues.pop(store, "q", True, 60,
+                                                                    clock=clock)),
+                              name="test-blocked-pop")
+    popper.start()
+    clock.wait_for_waiters(1)
+    ranges, txns = rpc_count(store.registry, "range"), rpc_count(store.registry, "txn")
+    other = _another(etcd, prefix)
+    try:
+        other.queue_push("q", "hello")
+        popper.join(10)
+        assert got == [b"hello"]
+        # Woken once: one range for the new item, one guarded delete. No poll.
+        assert rpc_count(store.registry, "range") - ranges == 1
+        assert rpc_count(store.registry, "txn") - txns == 1
+    finally:
+        other.close()
+        popper.join(10)
+
+
+def test_pop_times_out_on_the_clock_and_close_releases_a_popper(store):
+    clock = FakeClock()
+    errors: list[BaseException] = []
+
+    def pop() -> None:
+        try:
+            queues.pop(store, "empty", True, 5, clock=clock)
+        except BaseException as exc:  # noqa: BLE001 -- handed to the test thread
+            errors.append(exc)
+
+    t = threading.Thread(target=pop, name="test-pop-timeout")
+    t.start()
+    clock.wait_for_waiters(1)
+    clock.advance(5)
+    t.join(10)
+    assert len(errors) == 1 and isinstance(errors[0], StoreTimeoutError)
+    t = threading.Thread(target=pop, name="test-pop-close")
+    t.start()
+    clock.wait_for_waiters(1)
+    store.close()
+    t.join(10)
+    assert len(errors) == 2 and isinstance(errors[1], StoreClosedError)
+
+
+def test_a_lost_race_costs_one_txn_that_already_names_the_next_item(store, etcd, prefix):
+    rival = _another(etcd, prefix)
+    try:
+        store.queue_push("q", "first")
+        store.queue_push("q", "second")
+        real_call = store._conn.call
+        raced = []
+
+        def call(method, request, **kwargs):
+            response = real_call(method, request, **kwargs)
+            if method == "range" and not raced:  # A has read the head; B takes it now
+                raced.append(rival.queue_pop("q"))
+            return response
+
+        store._conn.call = call
+        ranges, txns = rpc_count(store.registry, "range"), rpc_count(store.registry, "txn")
+        assert queues.pop(store, "q", block=False) == b"second"
+        assert raced == [b"first"]
+        assert rpc_count(store.registry, "range") - ranges == 1  # no re-read after losing
+        assert rpc_count(store.registry, "txn") - txns == 2  # the lost delete, the won one
+    finally:
+        rival.close()
+
+
+def test_one_push_wakes_one_popper_per_store(store, etcd, prefix):
+    results: list[bytes] = []
+    lock = threading.Lock()
+
+    def pop() -> None:
+        value = store.queue_pop("q", timeout=60)
+        with lock:
+            results.append(value)
+
+    threads = [threading.Thread(target=pop, name=f"test-popper-{i}") for i in range(4)]
+    for t in threads:
+        t.start()
+    eventually(lambda: store.stats()["waiters"] >= 1, what="a popper parked")
+    pusher = _another(etcd, prefix)
+    try:
+        ranges, txns = rpc_count(store.registry, "range"), rpc_count(store.registry, "txn")
+        pusher.queue_push("q", "only")
+        eventually(lambda: len(results) == 1, what="one pop")
+        # The woken popper's range and delete; the next in line looks once (a range) and
+        # parks. Without the in-process gate all four would range and try the delete.
+        assert rpc_count(store.registry, "txn") - txns == 1
+        assert rpc_count(store.registry, "range") - ranges <= 2
+        for i in range(3):
+            pusher.queue_push("q", f"more{i}")
+        for t in threads:
+            t.join(30)
+        assert sorted(results) == [b"more0", b"more1", b"more2", b"only"]
+    finally:
+        pusher.close()
+
+
+_POPPER = textwrap.dedent("""
+    import json, sys
+    from cachedstore import EtcdStore
+    endpoint, prefix = sys.argv[1], sys.argv[2]
+    got = []
+    with EtcdStore(endpoints=[endpoint], prefix=prefix) as store:
+        print("READY", flush=True)
+        while True:
+            value = store.queue_pop("jobs", timeout=60).decode()
+            if value == "STOP":
+                break
+            got.append(int(value))
+    print(json.dumps(got), flush=True)
+""")
+
+
+def test_every_item_is_popped_exactly_once_by_concurrent_processes(store, etcd, prefix):
+    procs = [subprocess.Popen([sys.executable, "-c", _POPPER, etcd.endpoint, prefix],
+                              stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == "READY"
+        n = 60
+        for i in range(n):
+            store.queue_push("jobs", str(i))
+        for _ in procs:
+            store.queue_push("jobs", "STOP")
+        popped = []
+        for p in procs:
+            out, _ = p.communicate(timeout=60)
+            mine = json.loads(out.strip().splitlines()[-1])
+            assert mine == sorted(mine)  # each popper sees FIFO order
+            popped.extend(mine)
+        assert sorted(popped) == list(range(n))  # each item exactly once
+        assert store.queue_len("jobs") == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_emptiness_is_remembered_until_an_item_is_put(store, etcd, prefix):
+    txns = rpc_count(store.registry, "txn")
+    assert not queues.is_nonempty(store, "q")
+    assert rpc_count(store.registry, "txn") - txns == 1  # both counts in one Txn
+    assert not queues.is_nonempty(store, "q") and not queues.is_nonempty(store, "other")
+    assert rpc_count(store.registry, "txn") - txns == 1  # remembered: no request
+    other = _another(etcd, prefix)
+    try:
+        other.queue_push("q", "x")  # seen through this store's watch
+        eventually(lambda: queues.is_nonempty(store, "q"), what="push seen")
+        assert not queues.is_nonempty(store, "other")  # that queue is still empty
+        store.queue_pop("q")
+        assert not queues.is_nonempty(store, "q")
+    finally:
+        other.close()
