@@ -22,7 +22,7 @@ from .config import seconds
 from .errors import EtcdConnectionError, StoreClosedError, StoreTimeoutError
 from .keys import KeySpace
 from .metrics import NullMetrics, StoreMetrics
-from .reads import MAX_WAIT, MISSING, OUTAGE_RECHECK, ReadThrough, Timeout, absent, describe
+from .reads import MISSING, ReadThrough, Timeout, absent
 from .waiters import AsyncWaiter
 
 __all__ = ["AsyncFront"]
@@ -112,10 +112,10 @@ class AsyncFront:
         self._check_open()
         deadline = self._reads.deadline(wait)
         canonical = [self._keys.canonical(n) for n in names]
-        values, hits = await self.run(self._reads.resolve, set(canonical), wait is not None,
-                                      deadline)
+        unique = set(canonical)
+        values, hits = await self.run(self._reads.resolve, unique, wait is not None, deadline)
         self._metrics.hit[op].inc(hits)
-        self._metrics.miss[op].inc(len(set(canonical)) - hits)
+        self._metrics.miss[op].inc(len(unique) - hits)
         out = []
         for name, key in zip(names, canonical, strict=True):
             value = values.get(key)
@@ -148,13 +148,7 @@ class AsyncFront:
                         outage = exc
                 if value is not None:
                     return value
-                remaining = deadline - self._clock.monotonic()
-                if remaining <= 0:
-                    raise StoreTimeoutError(
-                        f"timed out after {describe(timeout)} waiting for key {name!r}"
-                        + (" (etcd unreachable)" if outage is not None else "")
-                    ) from outage
-                pause = min(remaining, OUTAGE_RECHECK if outage is not None else MAX_WAIT)
+                pause = self._reads.pause(name, deadline, timeout, outage)
                 try:
                     value = await asyncio.wait_for(asyncio.shield(waiter.future), pause)
                 except asyncio.TimeoutError:

@@ -252,8 +252,6 @@ class CoherentCache:
                 inflight[name] = inflight.get(name, 0) + 1
             return self._epoch
 
-    begin_fill = begin  # the name the read-through path uses
-
     def _finish(self, name: str, ticket: Ticket, revision: int) -> bool:
         """Unregister one name; True if a result read or written at ``revision`` may be
         installed (no newer update meanwhile, no reset it predates)."""

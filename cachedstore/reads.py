@@ -196,6 +196,18 @@ class ReadThrough:
         return values, n - len(misses)
 
     # -- blocking ------------------------------------------------------------------------------
+    def pause(self, name: str, deadline: float, timeout: Timeout,
+              outage: EtcdConnectionError | None) -> float:
+        """After a waiter's check found nothing: how long to wait for the watch before
+        checking again, or StoreTimeoutError once ``deadline`` has passed (its cause the
+        outage, if etcd was unreachable). Shared by the thread and asyncio waits."""
+        remaining = deadline - self._clock.monotonic()
+        if remaining <= 0:
+            raise StoreTimeoutError(
+                f"timed out after {describe(timeout)} waiting for key {name!r}"
+                + (" (etcd unreachable)" if outage is not None else "")) from outage
+        return min(remaining, OUTAGE_RECHECK if outage is not None else MAX_WAIT)
+
     def wait_for(self, name: str, deadline: float, timeout: Timeout) -> bytes:
         """Block until ``name`` exists (woken by the watch) and return its value; raise
         StoreTimeoutError at ``deadline``, also when etcd is unreachable until then."""
@@ -220,13 +232,7 @@ class ReadThrough:
                         value, outage = None, exc
                 if value is not None:
                     return value
-                remaining = deadline - self._clock.monotonic()
-                if remaining <= 0:
-                    raise StoreTimeoutError(
-                        f"timed out after {describe(timeout)} waiting for key {name!r}"
-                        + (" (etcd unreachable)" if outage is not None else "")
-                    ) from outage
-                pause = min(remaining, OUTAGE_RECHECK if outage is not None else MAX_WAIT)
+                pause = self.pause(name, deadline, timeout, outage)
                 self._clock.wait(waiter.event, pause)
                 value = waiter.take()
                 if value is not None:

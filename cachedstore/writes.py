@@ -262,12 +262,6 @@ class Writer:
         except LeaseNotFoundError:
             pass
 
-    def num_keys(self) -> int:
-        self._check_open()
-        request = etcdapi.range_prefix(self._keys.range_start, self._keys.range_end,
-                                       count_only=True)
-        return int(self._conn.call("range", request, deadline=self._conn.deadline()).count)
-
 
 def parse_int(value: bytes, name: object) -> int:
     try:

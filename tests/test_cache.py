@@ -46,7 +46,7 @@ def test_own_write_then_its_event_is_a_no_op():
 
 def test_fill_refused_if_a_newer_event_arrived_while_in_flight_even_if_evicted():
     cache, registry = make(maxsize=1)
-    token = cache.begin_fill(["k"])
+    token = cache.begin(["k"])
     cache.apply_events([("k", b"new", 12)], 12)
     cache.apply_events([("other", b"x", 13)], 13)  # evicts k
     assert cache.peek("k") is None
@@ -58,7 +58,7 @@ def test_fill_refused_if_a_newer_event_arrived_while_in_flight_even_if_evicted()
 
 def test_fill_accepted_when_nothing_newer_happened():
     cache, _ = make()
-    token = cache.begin_fill(["k", "absent"])
+    token = cache.begin(["k", "absent"])
     cache.apply_events([("k", b"older", 4)], 4)  # older than the read: the read includes it
     assert cache.end_fill(["k", "absent"], token, {"k": (b"v", 5)}, 9) == 0
     assert cache.lookup("k") == (b"v", 9, 5)
@@ -67,7 +67,7 @@ def test_fill_accepted_when_nothing_newer_happened():
 
 def test_fill_refused_after_a_reset():
     cache, _ = make()
-    token = cache.begin_fill(["k"])
+    token = cache.begin(["k"])
     cache.reset(50)
     assert cache.end_fill(["k"], token, {"k": (b"v", 5)}, 40) == 1
     assert cache.peek("k") is None and cache.applied_revision == 50
@@ -75,7 +75,7 @@ def test_fill_refused_after_a_reset():
 
 def test_failed_read_only_unregisters():
     cache, _ = make()
-    token = cache.begin_fill(["k"])
+    token = cache.begin(["k"])
     assert cache.end_fill(["k"], token, None, 0) == 0
     assert cache._inflight == {} and cache._dirty == {}
 
