@@ -16,6 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from . import counters
 from .cache import CoherentCache
 from .clock import Clock
 from .config import seconds
@@ -102,6 +103,10 @@ class AsyncFront:
             except StoreTimeoutError:
                 if default is MISSING:
                     raise
+        if counters.is_mark(value):
+            found = {canonical: value}
+            await self.run(reads.decimals, found)
+            value = found[canonical]
         if value is not None:
             return value
         return absent(name, default)
@@ -116,15 +121,18 @@ class AsyncFront:
         values, hits = await self.run(self._reads.resolve, unique, wait is not None, deadline)
         self._metrics.hit[op].inc(hits)
         self._metrics.miss[op].inc(len(unique) - hits)
-        out = []
-        for name, key in zip(names, canonical, strict=True):
-            value = values.get(key)
-            if value is None and deadline is not None:
+        for key in dict.fromkeys(canonical):  # in order: the first absent key times out
+            if values.get(key) is None and deadline is not None:
                 try:
-                    value = values[key] = await self._await_for(key, deadline, timeout)
+                    values[key] = await self._await_for(key, deadline, timeout)
                 except StoreTimeoutError:
                     if default is MISSING:
                         raise
+        if any(counters.is_mark(v) for v in values.values()):
+            await self.run(self._reads.decimals, values)
+        out = []
+        for name, key in zip(names, canonical, strict=True):
+            value = values.get(key)
             out.append(value if value is not None else absent(name, default))
         return out
 

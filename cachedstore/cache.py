@@ -38,7 +38,10 @@ Rules, all enforced here under one lock:
    missed events after a (re)connect, and 0 once it has caught up. The hot path pays one
    comparison for all this; ``watch_down`` takes the lock, so a stall declared on another
    thread is never undone by an apply in progress.
-7. **Waiters** stay registered until their owner removes them (see ``waiters.py``); a put
+7. **Counters.** A counter's key holds a marker (``counters.py``); its entry holds it as a
+   :class:`~cachedstore.counters.CounterMark`, which the front end never returns as a
+   value: it reads the counter instead (its increments are outside the watched range).
+8. **Waiters** stay registered until their owner removes them (see ``waiters.py``); a put
    wakes exactly the waiters of that key (and of prefixes it falls under).
 
 This class is a little over 300 lines: the rules above share one lock and one state, and
@@ -56,6 +59,7 @@ from typing import Any
 
 from cachetools import LRUCache
 
+from .counters import stored
 from .metrics import NullMetrics, StoreMetrics
 from .waiters import AsyncWaiter, ThreadWaiter, Waiter
 
@@ -163,6 +167,7 @@ class CoherentCache:
             del self._marks[name]  # the entry now holds more than the mark did
         if old is None:
             self._metrics.entries.inc()
+        value = stored(value)  # a counter's marker: served by reading the counter
         self._lru[name] = (value, revision, mod_revision if value is not None else 0)
         if value is not None:
             waiters = self._waiters.get(name)

@@ -8,6 +8,11 @@ every spelling of a name that maps to the same etcd key (``b"\xc3\xa9"``, ``"é"
 canonical names, so a hit on a canonical ``str`` name allocates nothing; any other spelling
 misses the hot path and is canonicalised on the slow path. The etcd key is
 ``prefix + canonical.encode("utf-8", "surrogateescape")``.
+
+Keys under ``prefix + FF FF`` are the store's own (counters' parts, see ``counters.py``):
+bytes FF never occur in UTF-8, so no ``str`` name without surrogate escapes reaches them,
+names that would are refused, and the store's watch and listings stop short of them
+(:attr:`KeySpace.range_end`), so that a counter's increments reach no other store.
 """
 
 from __future__ import annotations
@@ -15,6 +20,10 @@ from __future__ import annotations
 from .errors import InvalidInputError, InvalidTypeError
 
 __all__ = ["KeySpace", "to_value"]
+
+#: What follows the prefix in every internal key (never valid UTF-8).
+INTERNAL = b"\xff\xff"
+_INTERNAL_NAME = INTERNAL.decode("utf-8", "surrogateescape")
 
 #: Room left in a request for everything but the key and value (gRPC and protobuf framing).
 REQUEST_OVERHEAD = 512
@@ -51,12 +60,18 @@ def prefix_range_end(prefix: bytes) -> bytes:
 class KeySpace:
     """Maps names to etcd keys under one prefix, and back. Immutable, thread-safe."""
 
-    __slots__ = ("prefix", "range_start", "range_end", "_plen", "_max_request_bytes")
+    __slots__ = ("prefix", "range_start", "range_end", "full_range_end", "internal", "_plen",
+                 "_max_request_bytes")
 
     def __init__(self, prefix: str | bytes, max_request_bytes: int) -> None:
         self.prefix = to_value(prefix, "prefix")
         self.range_start = self.prefix or b"\0"
-        self.range_end = prefix_range_end(self.prefix)
+        #: The end of the names' range ``[range_start, range_end)``: what the watch covers
+        #: and listings count. The internal keys follow it.
+        self.internal = self.prefix + INTERNAL
+        self.range_end = self.internal
+        #: The end of everything under the prefix, internal keys included.
+        self.full_range_end = prefix_range_end(self.prefix)
         self._plen = len(self.prefix)
         self._max_request_bytes = max_request_bytes
 
@@ -75,6 +90,9 @@ class KeySpace:
             raise InvalidTypeError(f"key name must be str or bytes, not {type(name).__name__}")
         if not canonical:
             raise InvalidInputError("key name must not be empty")
+        if canonical.startswith(_INTERNAL_NAME):
+            raise InvalidInputError(
+                "key names starting with bytes FF FF are reserved for the store's counters")
         return canonical
 
     def key(self, canonical: str) -> bytes:

@@ -6,7 +6,9 @@ allows) and reports every answer to the coherence core through its fill protocol
 (waiters registered with the core, no polling). It holds no coherence state of its own.
 
 Blocking reads are bounded by their own deadline, etcd round trips included: a read-through
-inside a wait never outlasts the wait, and a wait that ends while etcd is unreachable raises
+inside a wait outlasts the wait by at most ``MIN_ROUND_TRIP`` (250 ms: the least a round trip
+is given, so that ``timeout=0`` still reads a key that exists but is not cached), and a
+wait that ends while etcd is unreachable raises
 :class:`~cachedstore.StoreTimeoutError` (its ``__cause__`` says etcd was unreachable).
 """
 
@@ -16,11 +18,12 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
-from . import etcdapi
+from . import counters, etcdapi
 from .cache import CoherentCache, Entry
 from .clock import Clock
 from .config import StoreConfig, seconds
 from .connection import Connection
+from .counters import parse_int
 from .errors import EtcdConnectionError, InvalidTypeError, KeyNotFoundError, StoreTimeoutError
 from .keys import KeySpace
 from .metrics import NullMetrics, StoreMetrics
@@ -31,6 +34,9 @@ __all__ = ["MAX_WAIT", "MISSING", "ReadThrough", "Timeout", "absent", "describe"
 Timeout = float | timedelta | None
 #: The longest single wait on an event: longer waits loop (Event.wait overflows past ~2^63 ns).
 MAX_WAIT = 3600.0
+#: The least time an etcd round trip of a blocking read is given (see ``_call_deadline``):
+#: how much a wait that meets an outage can overrun its timeout, at most.
+MIN_ROUND_TRIP = 0.25
 #: While etcd is unreachable, a waiter re-checks at most this often (it is also nudged the
 #: moment the watch is back).
 OUTAGE_RECHECK = 2.0
@@ -105,9 +111,13 @@ class ReadThrough:
         return None if wait is None else self._clock.monotonic() + wait
 
     def _call_deadline(self, deadline: float | None) -> float:
-        """An etcd round trip's deadline: the request timeout, cut to the wait's deadline."""
-        own = self._clock.monotonic() + self._config.request_timeout
-        return own if deadline is None else min(own, deadline)
+        """An etcd round trip's deadline: the request timeout, cut to the wait's deadline
+        but never below :data:`MIN_ROUND_TRIP` from now, so that a wait of 0 s (or one
+        whose deadline has just passed) can still read a key that exists but is not
+        cached, instead of failing as if etcd were unreachable."""
+        now = self._clock.monotonic()
+        own = now + self._config.request_timeout
+        return own if deadline is None else min(own, max(deadline, now + MIN_ROUND_TRIP))
 
     # -- what the cache may answer -------------------------------------------------------------
     def cached(self, canonical: str, blocking: bool = False) -> Entry | None:
@@ -176,6 +186,60 @@ class ReadThrough:
             if found:
                 results[name] = (found[0].value, found[0].mod_revision)
         return results, response.header.revision
+
+    def read_counters(self, names: Sequence[str], deadline: float | None = None
+                      ) -> dict[str, int | bytes | None]:
+        """Read the counters ``names`` whole (``counters.py``), in read-only Txns: no raft
+        proposal, no revision, no event. Returns name → the counter's value, or, for a key
+        that holds no counter, its plain value (None if absent). The keys' own states are
+        reported to the core as fills."""
+        out: dict[str, int | bytes | None] = {}
+        per_txn = max(1, self._config.max_txn_ops // 3)
+        cache = self._cache
+        for start in range(0, len(names), per_txn):
+            chunk = names[start:start + per_txn]
+            ticket = cache.begin(chunk)
+            seen: dict[str, tuple[bytes | None, int]] | None = None
+            revision = 0
+            try:
+                ops = [op for name in chunk
+                       for op in counters.read_ops(counters.Parts(self._keys, name))]
+                response = self._conn.call("txn", etcdapi.txn(success=ops),
+                                           deadline=self._call_deadline(deadline))
+                revision = response.header.revision
+                seen = {}
+                for i, name in enumerate(chunk):
+                    answers = response.responses[3 * i:3 * i + 3]
+                    kvs = answers[0].response_range.kvs
+                    if kvs:
+                        seen[name] = (kvs[0].value, kvs[0].mod_revision)
+                    found = counters.value_of(answers)
+                    out[name] = found if isinstance(found, int) \
+                        else (found.value if found is not None else None)
+            finally:
+                cache.end_fill(chunk, ticket, seen, revision)
+        return out
+
+    def counter(self, name: object) -> int:
+        """``add(name, 0)``: the counter's value read from etcd without writing (0 if the
+        key is absent; NotAnIntegerError if it holds something else)."""
+        canonical = self._keys.canonical(name)
+        self._check_open()
+        found = self.read_counters([canonical])[canonical]
+        if found is None or isinstance(found, int):
+            return found or 0
+        return parse_int(found, name)
+
+    def decimals(self, values: dict[str, bytes | None]) -> None:
+        """Replace, in place, every counter's marker in ``values`` by the counter's value
+        in decimal, read in one round trip for all of them. That round trip answers keys
+        already found to exist: it is bounded by the request timeout, even when it
+        finishes a blocking read whose own deadline has just passed."""
+        marked = [name for name, value in values.items() if counters.is_mark(value)]
+        if not marked:
+            return
+        for name, found in self.read_counters(marked).items():
+            values[name] = str(found).encode() if isinstance(found, int) else found
 
     def resolve(self, names: Iterable[str], blocking: bool = False,
                 deadline: float | None = None) -> tuple[dict[str, bytes | None], int]:
@@ -261,6 +325,10 @@ class ReadThrough:
             except StoreTimeoutError:
                 if default is MISSING:
                     raise
+        if counters.is_mark(value):
+            found = {canonical: value}
+            self.decimals(found)
+            value = found[canonical]
         return value if value is not None else absent(name, default)
 
     def mget(self, op: str, names: list[Any], default: Any, timeout: Timeout,
@@ -288,6 +356,13 @@ class ReadThrough:
                     raise KeyNotFoundError(names[i])
                 value = default
             first[i] = value
+        marked = {canonical[i]: first[i] for i in pending if counters.is_mark(first[i])}
+        if marked:
+            self.decimals(marked)
+            for i in pending:
+                if canonical[i] in marked:
+                    value = marked[canonical[i]]
+                    first[i] = value if value is not None else absent(names[i], default)
         return first
 
     def check(self, names: Iterable[object]) -> bool:

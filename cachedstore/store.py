@@ -30,6 +30,8 @@ from .connection import Connection, Credentials, parse_endpoint
 from .errors import (
     CachedStoreError,
     EtcdConnectionError,
+    InvalidInputError,
+    InvalidTypeError,
     StoreClosedError,
     StoreForkedError,
 )
@@ -270,8 +272,9 @@ class EtcdStore:
         ``timeout`` may be ``float("inf")`` or ``timedelta.max``.
 
         Thread-safe. Non-blocking unless ``timeout`` is given (apart from etcd round trips,
-        each bounded by ``request_timeout``). A blocking get never outlasts its timeout, etcd
-        round trips included: if etcd is unreachable until then it raises
+        each bounded by ``request_timeout``). A blocking get outlasts its timeout by at most
+        250 ms, etcd round trips included (``timeout=0`` still reads a key the cache does
+        not hold): if etcd is unreachable until then it raises
         StoreTimeoutError, whose ``__cause__`` is the EtcdConnectionError.
         """
         tick = self._tick_get - 1
@@ -280,7 +283,7 @@ class EtcdStore:
             entry = self._lookup(name)
             if entry is not None:
                 value = entry[0]
-                if value is not None:
+                if value.__class__ is bytes:  # not None (absent), not a counter's marker
                     self._hit_get()
                     return value
             return self._reads.get("get", name, default, timeout)
@@ -288,7 +291,7 @@ class EtcdStore:
         started = time.perf_counter()
         try:
             entry = self._lookup(name)
-            if entry is not None and entry[0] is not None:
+            if entry is not None and entry[0].__class__ is bytes:
                 self._hit_get()
                 return entry[0]
             return self._reads.get("get", name, default, timeout)
@@ -317,7 +320,7 @@ class EtcdStore:
             pending: list[int] = []
             for i, name in enumerate(names):
                 entry = lookup(name)
-                if entry is not None and entry[0] is not None:
+                if entry is not None and entry[0].__class__ is bytes:
                     results[i] = entry[0]
                 else:
                     pending.append(i)
@@ -361,7 +364,7 @@ class EtcdStore:
             entry = self._lookup(name)
             if entry is not None:
                 value = entry[0]
-                if value is not None:
+                if value.__class__ is bytes:
                     self._hit_aget()
                     return value
             return await self._async.get("aget", name, default, timeout)
@@ -369,7 +372,7 @@ class EtcdStore:
         started = time.perf_counter()
         try:
             entry = self._lookup(name)
-            if entry is not None and entry[0] is not None:
+            if entry is not None and entry[0].__class__ is bytes:
                 self._hit_aget()
                 return entry[0]
             return await self._async.get("aget", name, default, timeout)
@@ -385,7 +388,7 @@ class EtcdStore:
         results: list[Any] = []
         for name in names:
             entry = lookup(name)
-            if entry is None or entry[0] is None:
+            if entry is None or entry[0].__class__ is not bytes:
                 break
             results.append(entry[0])
         else:
@@ -433,18 +436,49 @@ class EtcdStore:
             return self._writes.delete(name)
 
     def add(self, name: Name, amount: int = 1) -> int:
-        """Atomically add ``amount`` to the integer stored (as decimal ASCII, like torch's
-        Store) under ``name`` — 0 if absent — and return the new value.
+        """Atomically add ``amount`` to the integer under ``name`` — 0 if absent — and
+        return the new value; ``get`` returns it in decimal ASCII, like torch's Store.
 
-        A compare-and-swap Txn on the key's ``mod_revision``: one round trip when the cache
-        holds the current value, two under contention (the failed compare returns the
-        current value in the same response). Never trusts a stale cache entry. Raises
-        NotAnIntegerError if the stored value is not an integer, and EtcdConnectionError —
-        saying the outcome is unknown — if etcd was lost after the request may have
-        reached it. Thread-safe, and atomic across processes.
+        ``amount != 0``: one etcd Txn and one raft proposal, whatever the contention: no
+        ``add`` can make another retry, and W concurrent ``add(name, 1)`` return 1..W, each
+        once. The increments are stored past the watched range, so they reach no store's
+        watch (how a plain etcd client sees a counter: ``cachedstore/counters.py``). A key
+        holding a plain decimal someone ``set`` costs one compare-and-swap more, once.
+        ``amount == 0`` only reads (a read-only Txn: no proposal, no event); an absent key
+        stays absent. Raises NotAnIntegerError if the key holds something else,
+        InvalidTypeError if ``amount`` is not an int, and EtcdConnectionError — saying the
+        outcome is unknown — if etcd was lost after the request may have reached it.
+        Blocks for one round trip. Thread-safe, and atomic across processes.
         """
+        if isinstance(amount, bool) or not isinstance(amount, int):
+            raise InvalidTypeError(f"amount must be an int, not {type(amount).__name__}")
         with self._timed("add"):
+            if amount == 0:
+                return self._reads.counter(name)
             return self._writes.add(name, amount)
+
+    def barrier(self, key: Name, world_size: int, timeout: Timeout = None) -> None:
+        """Block until ``world_size`` callers (any stores, any processes) have called
+        ``barrier`` with the same ``key``; the keys of torch's ``Store.barrier`` and
+        torchelastic's barrier, so that every implementation of either interoperates.
+
+        Each caller costs etcd one ``add(key + "/num_members", 1)`` (one Txn, one raft
+        proposal, no retries), the one that counts ``world_size`` one put of
+        ``key + "/last_member"``, whose single watch event releases every waiting store;
+        the wait itself polls nothing. Like torch's, a barrier key serves once. ``timeout``
+        defaults to the store's; raises StoreTimeoutError (a TimeoutError) when it passes,
+        InvalidInputError for a ``world_size`` below 1. Thread-safe.
+        """
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise InvalidInputError(f"world_size must be an int >= 1, got {world_size!r}")
+        prefix = key.decode("utf-8", "surrogateescape") if isinstance(key, bytes) else key
+        if not isinstance(prefix, str):
+            raise InvalidTypeError(f"barrier key must be str or bytes, not "
+                                   f"{type(key).__name__}")
+        last = prefix + "/last_member"
+        if self.add(prefix + "/num_members", 1) == world_size:
+            self.set(last, "<val_ignored>")
+        self.wait([last], timeout)
 
     def append(self, name: Name, value: Value) -> bytes:
         """Atomically append ``value`` to the bytes stored under ``name`` (creating the key

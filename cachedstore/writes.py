@@ -14,16 +14,16 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from . import etcdapi
+from . import counters, etcdapi
 from .cache import CoherentCache
 from .config import StoreConfig, seconds
 from .connection import UNSENT_ONLY, Connection
+from .counters import parse_int
 from .errors import (
     EtcdError,
     InvalidInputError,
     InvalidTypeError,
     LeaseNotFoundError,
-    NotAnIntegerError,
 )
 from .keys import REQUEST_OVERHEAD, KeySpace, to_value
 
@@ -81,7 +81,7 @@ class Writer:
     # -- plain writes --------------------------------------------------------------------------
     def set(self, name: object, value: object) -> None:
         canonical, key = self._target(name)
-        data = to_value(value)
+        data = _plain(value)
         self._keys.check_size(key, data)
         self._check_open()
         self._send("put", etcdapi.put(key, data), [(canonical, data)])
@@ -91,7 +91,7 @@ class Writer:
         writes: dict[str, tuple[bytes, bytes]] = {}
         for name, value in pairs:
             canonical, key = self._target(name)
-            data = to_value(value)
+            data = _plain(value)
             self._keys.check_size(key, data)
             writes.pop(canonical, None)  # etcd refuses a key twice in one Txn
             writes[canonical] = (key, data)
@@ -116,19 +116,25 @@ class Writer:
     def delete(self, name: object) -> bool:
         canonical, key = self._target(name)
         self._check_open()
-        response = self._send("delete_range", etcdapi.delete(key), [(canonical, None)])
-        return bool(response.deleted > 0)
+        # One Txn that also deletes the parts of a counter (``counters.py``), if it is one.
+        request = etcdapi.txn(success=[etcdapi.op_delete(etcdapi.delete(key)),
+                                       counters.clear(counters.Parts(self._keys, canonical))])
+        response = self._send("txn", request, [(canonical, None)])
+        return bool(response.responses[0].response_delete_range.deleted > 0)
 
     # -- compare-and-swap ----------------------------------------------------------------------
     def cas(self, canonical: str, key: bytes, compare: Any, data: bytes, deadline: float,
-            lease: int = 0, prev_kv: bool = False) -> tuple[bool, Any, int]:
+            lease: int = 0, prev_kv: bool = False, also: Sequence[Any] = ()
+            ) -> tuple[bool, Any, int]:
         """One Txn: if ``compare`` holds put ``data``, else read the key. Returns (succeeded,
         kv, revision): on failure the key's kv (None if absent); on success with
         ``prev_kv`` the kv it replaced (None if it created the key). Either way the core
         learns the outcome: the put as a write, the read as a fill through the gate (a
-        caller may return what it read, so a later get must not return anything older)."""
+        caller may return what it read, so a later get must not return anything older).
+        ``also``: more operations of the success branch, on keys outside the names."""
         request = etcdapi.txn(
-            [compare], [etcdapi.op_put(etcdapi.put(key, data, lease=lease, prev_kv=prev_kv))],
+            [compare], [etcdapi.op_put(etcdapi.put(key, data, lease=lease, prev_kv=prev_kv)),
+                        *also],
             [etcdapi.op_range(etcdapi.range_key(key))])
         cache = self._cache
         ticket = cache.begin([canonical])
@@ -161,6 +167,8 @@ class Writer:
         current, mod_revision = (guess[0], guess[2]) if guess else (None, 0)
         deadline = self._conn.deadline()
         while True:
+            if counters.is_mark(current):
+                current, mod_revision = self.fold(canonical, deadline)
             new = transform(current)
             self._keys.check_size(key, new)
             compare = etcdapi.absent(key) if current is None \
@@ -171,23 +179,52 @@ class Writer:
             current, mod_revision = (found.value, found.mod_revision) if found else (None, 0)
 
     def add(self, name: object, amount: int) -> int:
-        if isinstance(amount, bool) or not isinstance(amount, int):
-            raise InvalidTypeError(f"amount must be an int, not {type(amount).__name__}")
-
-        def plus(current: bytes | None) -> bytes:
-            base = 0 if current is None else parse_int(current, name)
-            return str(base + amount).encode()
-
-        return int(self.read_modify_write(name, plus))
+        """``amount != 0``: one Txn that no other ``add`` can make fail (see
+        ``counters.py``); a key holding a plain decimal is converted to a counter first by
+        one compare-and-swap. ``amount == 0`` is :meth:`ReadThrough.counter`'s business."""
+        canonical, key = self._target(name)
+        self._check_open()
+        parts = counters.Parts(self._keys, canonical)
+        deadline = self._conn.deadline()
+        cache = self._cache
+        while True:
+            ticket = cache.begin([canonical])
+            try:
+                response = self._conn.call("txn", counters.add_request(parts, amount),
+                                           deadline=deadline, retry=UNSENT_ONLY)
+                if self.after_write is not None:
+                    self.after_write([canonical])
+            except BaseException:
+                cache.abandon([canonical])
+                raise
+            revision = response.header.revision
+            outcome, result = counters.add_result(response, amount)
+            if outcome == "created":
+                cache.end_write([(canonical, counters.mark(amount))], ticket, revision)
+                return amount
+            kv: Any = response.responses[1].response_range.kvs[0] if outcome == "added" \
+                else result
+            cache.end_fill([canonical], ticket, {canonical: (kv.value, kv.mod_revision)},
+                           revision)
+            if outcome == "added":
+                return int(result)
+            # A plain value someone set: make it a counter (once; retried only if the key
+            # changes meanwhile), then add as usual.
+            value = parse_int(kv.value, name) + amount
+            succeeded, _, _ = self.cas(canonical, key, etcdapi.unmodified(key, kv.mod_revision),
+                                       counters.mark(value), deadline,
+                                       also=[counters.clear(parts)])
+            if succeeded:
+                return value
 
     def append(self, name: object, value: object) -> bytes:
-        data = to_value(value)
+        data = _plain(value)
         return self.read_modify_write(name, lambda current: (current or b"") + data)
 
     def compare_set(self, name: object, expected: object, desired: object) -> bytes:
         canonical, key = self._target(name)
         want = to_value(expected, "expected")
-        data = to_value(desired, "desired")
+        data = _plain(desired, "desired")
         self._keys.check_size(key, data)
         self._check_open()
         deadline = self._conn.deadline()
@@ -198,10 +235,39 @@ class Writer:
                 return data
             if found is None:
                 return want
+            if counters.is_mark(found.value):
+                self.fold(canonical, deadline)
+                compare = etcdapi.value_equals(key, want) if want else etcdapi.absent(key)
+                continue
             if found.value != want:
                 return bytes(found.value)
             # Present with an empty value and expected == "": swap on its mod_revision.
             compare = etcdapi.unmodified(key, found.mod_revision)
+
+    def fold(self, canonical: str, deadline: float) -> tuple[bytes | None, int]:
+        """Turn the counter ``canonical`` back into a plain decimal key (so that ``append``
+        and ``compare_set`` see the decimal value TCPStore would hold). Returns the key's
+        value and mod_revision afterwards. Retried while ``add``s race it."""
+        parts = counters.Parts(self._keys, canonical)
+        while True:
+            response = self._conn.call("txn", etcdapi.txn(success=counters.read_ops(parts)),
+                                       deadline=deadline)
+            found = counters.value_of(response.responses)
+            if not isinstance(found, int):  # no longer a counter
+                return (found.value, found.mod_revision) if found is not None else (None, 0)
+            key_kv = response.responses[0].response_range.kvs[0]
+            request = counters.fold_request(parts, key_kv, found, response.header.revision)
+            text = str(found).encode()
+            ticket = self._cache.begin([canonical])
+            try:
+                folded = self._conn.call("txn", request, deadline=deadline, retry=UNSENT_ONLY)
+            except BaseException:
+                self._cache.abandon([canonical])
+                raise
+            if folded.succeeded:
+                self._cache.end_write([(canonical, text)], ticket, folded.header.revision)
+                return text, folded.header.revision
+            self._cache.abandon([canonical])
 
     # -- versioned reads, conditional writes, leases ---------------------------------------------
     def read(self, name: object) -> Versioned | None:
@@ -226,7 +292,7 @@ class Writer:
     def put_if(self, name: object, value: object, mod_revision: int, lease: int
                ) -> tuple[bool, Versioned | None]:
         canonical, key = self._target(name)
-        data = to_value(value)
+        data = _plain(value)
         self._keys.check_size(key, data)
         for what, number in (("mod_revision", mod_revision), ("lease", lease)):
             if isinstance(number, bool) or not isinstance(number, int) or number < 0:
@@ -263,10 +329,10 @@ class Writer:
             pass
 
 
-def parse_int(value: bytes, name: object) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise NotAnIntegerError(
-            f"add() on key {name!r}: its value {value[:40]!r} is not a decimal integer"
-        ) from None
+def _plain(value: object, what: str = "value") -> bytes:
+    """``to_value``, refusing the counters' marker (a value no one else may write)."""
+    data = to_value(value, what)
+    if data.startswith(counters.MARK):
+        raise InvalidInputError(f"{what} starts with the bytes that mark a counter "
+                                f"({counters.MARK!r}); they are reserved")
+    return data

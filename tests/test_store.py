@@ -429,3 +429,20 @@ def test_mset_splits_large_values_within_the_request_limit(etcd, prefix):
         store.mset({f"big{i}": big for i in range(5)})  # 3 MB: more than one request holds
         assert rpc_count(store.registry, "txn") >= 3
         assert store.mget([f"big{i}" for i in range(5)]) == [big] * 5
+
+
+def test_a_zero_timeout_reads_a_key_the_cache_evicted(etcd, prefix):
+    # A blocking read whose deadline is now still gets one etcd round trip for a key that
+    # exists but is not cached (evicted): it used to fail as "etcd unreachable", and a
+    # TorchEtcdStore.get of such a key blocked until the store timeout.
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, cache_size=2) as store:
+        store.set("k", "v")
+        for i in range(4):
+            store.set(f"other{i}", "x")
+        assert store._cache.lookup("k") is None  # evicted
+        assert store.get("k", timeout=0) == b"v"
+        store.set("other-again", "x")
+        store.set("other-more", "x")
+        assert store.mget(["k"], default=None, timeout=0) == [b"v"]
+        with pytest.raises(StoreTimeoutError):
+            store.get("absent", timeout=0)

@@ -346,6 +346,16 @@ class TorchEtcdStore(dist.Store):
         except CachedStoreError as exc:
             raise _translate(exc, f"add {key!r}") from exc
 
+    def barrier(self, key: str, world_size: int, timeout: timedelta | None = None) -> None:
+        """torch 2.13's ``Store.barrier``, natively: :meth:`EtcdStore.barrier` (one raft
+        proposal per rank, all released by one watch event). ``timeout`` defaults to the
+        store timeout; its passing raises DistStoreError ("timeout"), like torch's."""
+        wait = self._wait_seconds(timeout)
+        try:
+            self._etcd.barrier(self._name(key), world_size, wait)
+        except CachedStoreError as exc:
+            raise _translate(exc, f"barrier {key!r} (world_size={world_size})", wait) from exc
+
     def compare_set(self, key: str, expected_value: bytes | str,
                     desired_value: bytes | str) -> bytes:
         """Set ``key`` to ``desired_value`` if it holds ``expected_value`` (or is absent and

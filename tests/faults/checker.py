@@ -236,6 +236,48 @@ def _text(value: bytes | None) -> str | None:
 # ------------------------------------------------------------------------ the oracle
 
 
+class _CounterModel:
+    """The value of the counter ``name`` as cachedstore lays it out (``counters.py``): its
+    key's marker holds a base; ``ones`` counts by its version; each delta key holds one
+    increment. Fed every event; computes what ``get`` must return."""
+
+    def __init__(self, name: str) -> None:
+        from cachedstore.counters import MARK
+
+        self._mark = MARK
+        self._key = name.encode()
+        self._parts = b"\xff\xffcounter/" + name.encode() + b"/"
+        self._plain: str | None = None
+        self._base: int | None = None
+        self._ones = 0
+        self._deltas: dict[bytes, int] = {}
+
+    def update(self, name: bytes, kv: Any, put: bool) -> bool:
+        """Apply one event; True if it concerned the counter (key or parts)."""
+        if name == self._key:
+            value = bytes(kv.value) if put else None
+            if value is not None and value.startswith(self._mark):
+                self._base, self._plain = int(value[len(self._mark):]), None
+            else:
+                self._base, self._plain = None, value.decode() if value is not None else None
+            return True
+        if not name.startswith(self._parts):
+            return False
+        part = name[len(self._parts):]
+        if part == b"ones":
+            self._ones = kv.version if put else 0
+        elif put:
+            self._deltas[part] = int(kv.value)
+        else:
+            self._deltas.pop(part, None)
+        return True
+
+    def value(self) -> str | None:
+        if self._base is None:
+            return self._plain
+        return str(self._base + self._ones + sum(self._deltas.values()))
+
+
 class _Oracle:
     """An independent record of every change under the prefix: a raw gRPC watch on a
     direct connection to etcd (no proxy, no faults). Thread: ``checker-oracle``."""
@@ -247,6 +289,7 @@ class _Oracle:
         self._create = etcdrpc.WatchRequest(create_request=etcdrpc.WatchCreateRequest(
             key=prefix, range_end=prefix_range_end(prefix), start_revision=start_revision))
         self._prefix = prefix
+        self._counter = _CounterModel(COUNTER)
         self._stop = threading.Event()
         self._call: Any = None
         self.events: list[tuple[int, str, str | None, float]] = []
@@ -269,10 +312,17 @@ class _Oracle:
                     return
                 now = time.monotonic()
                 plen = len(self._prefix)
+                counter_at = 0
                 for event in response.events:
                     kv = event.kv
-                    self.events.append((kv.mod_revision, kv.key[plen:].decode(),
+                    name = kv.key[plen:]
+                    if self._counter.update(name, kv, event.type == _PUT):
+                        counter_at = kv.mod_revision
+                        continue
+                    self.events.append((kv.mod_revision, name.decode(),
                                         kv.value.decode() if event.type == _PUT else None, now))
+                if counter_at:  # the counter's value after the response's last change of it
+                    self.events.append((counter_at, COUNTER, self._counter.value(), now))
                 if response.events:
                     self.revision = response.events[-1].kv.mod_revision
         except grpc.RpcError as exc:
