@@ -153,6 +153,9 @@ class EtcdStore:
         self._cache = CoherentCache(cfg.cache_size, self.metrics)
         if endpoints is not None:
             targets = [parse_endpoint(e) for e in names_list(endpoints, "endpoints")]
+        elif not isinstance(host, str):
+            raise InvalidTypeError(f"host must be a str, not {type(host).__name__}; give "
+                                   f"several endpoints as endpoints=[...]")
         else:
             targets = [(host, int(port))]
         self._conn = Connection(targets, Credentials(ca_cert, cert_key, cert_cert, user,

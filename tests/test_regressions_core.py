@@ -296,5 +296,7 @@ def test_a_lone_string_is_not_a_list_of_names(etcd, prefix):
                 call()
         with pytest.raises(TypeError):
             EtcdStore(endpoints=etcd.endpoint)
+        with pytest.raises(TypeError, match="endpoints="):
+            EtcdStore([etcd.endpoint])  # a list where the host goes
         with pytest.raises(KeyNotFoundError):
             store.mget(["key"])  # a list still works
