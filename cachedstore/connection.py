@@ -47,6 +47,16 @@ _UNSENT_MARKERS = ("failed to connect", "connection refused", "connect failed",
                    "dns resolution", "no route to host", "name resolution")
 _TLS_MARKERS = ("ssl", "tls", "handshake", "certificate")
 _TOKEN_MARKERS = ("invalid auth token", "auth token is expired", "user name is empty")
+#: etcd's require-leader metadata (what etcd's own clients send on watches). A member that
+#: has lost its leader (cut off from its peers) refuses such a request with "no leader"
+#: (Unavailable) instead of answering from its frozen state, and ends such a watch stream
+#: once it has been leaderless for about three election timeouts. Sent on every request,
+#: so that reads fail over at once and watches within that bound.
+REQUIRE_LEADER = ("hasleader", "true")
+
+
+def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return (("token", token), REQUIRE_LEADER) if token else (REQUIRE_LEADER,)
 
 
 def parse_endpoint(endpoint: str | tuple[str, int]) -> tuple[str, int]:
@@ -226,9 +236,15 @@ class Connection:
                          self._endpoints[self._current].target)
 
     # -- auth ----------------------------------------------------------------------------
-    def metadata(self) -> tuple[tuple[str, str], ...] | None:
-        token = self._token
-        return (("token", token),) if token else None
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """gRPC metadata of every request: the auth token if any, and etcd's require-leader
+        flag (see :data:`REQUIRE_LEADER`)."""
+        return _metadata(self._token)
+
+    @property
+    def token(self) -> str | None:
+        """The current etcd auth token (None without credentials or before authenticating)."""
+        return self._token
 
     @property
     def has_credentials(self) -> bool:
@@ -281,7 +297,7 @@ class Connection:
             per_attempt = remaining if n_endpoints == 1 else max(
                 min(remaining, 1.0), remaining / 2)
             token = self._token if authenticated else None
-            metadata = (("token", token),) if token else None
+            metadata = _metadata(token)
             started = time.perf_counter()
             try:
                 response = _rpc(ep, method)(request, timeout=per_attempt, metadata=metadata)

@@ -335,5 +335,4 @@ class Watcher:
 
 
 def _token(conn: Connection) -> str | None:
-    metadata = conn.metadata()
-    return metadata[0][1] if metadata else None
+    return conn.token
