@@ -45,7 +45,13 @@ UNSENT_ONLY = "unsent-only"  # retried only when the request cannot have reached
 _TRANSPORT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _UNSENT_MARKERS = ("failed to connect", "connection refused", "connect failed",
                    "dns resolution", "no route to host", "name resolution")
-_TLS_MARKERS = ("ssl", "tls", "handshake", "certificate")
+#: A TLS handshake that *failed verification* (a certificate, an alert, a host name): it
+#: does not fix itself. A handshake that was merely cut short ("Handshake read failed
+#: (Endpoint closing)", a connect deadline over a slow link, or a socket closed mid-way)
+#: carries none of these and is retried like any transport failure.
+_TLS_MARKERS = ("ssl_error", "tsi_protocol_failure", "certificate", "hostname verification",
+                "tls handshake failed", "ssl handshake failed")
+_HOSTNAME_MARKERS = ("hostname verification",)
 _TOKEN_MARKERS = ("invalid auth token", "auth token is expired", "user name is empty")
 #: etcd's require-leader metadata (what etcd's own clients send on watches). A member that
 #: has lost its leader (cut off from its peers) refuses such a request with "no leader"
@@ -124,9 +130,18 @@ def translate_rpc_error(exc: grpc.RpcError, method: str) -> CachedStoreError:
     lowered = details.lower()
     where = f"etcd {method}"
     if code in _TRANSPORT_CODES:
+        if any(m in lowered for m in _HOSTNAME_MARKERS):
+            return TLSError(f"{where}: TLS handshake with etcd failed: the server's "
+                            f"certificate is not valid for the host name or address the "
+                            f"store connected to (hostname mismatch: {details}); use a name "
+                            f"listed in the certificate's subject alternative names")
         if any(m in lowered for m in _TLS_MARKERS):
             return TLSError(f"{where}: TLS handshake with etcd failed ({details}); check "
                             f"ca_cert and the server's certificate")
+        if "handshake" in lowered:  # cut short: too slow a link, or no TLS on the server
+            return EtcdConnectionError(
+                f"{where}: etcd unreachable: the TLS handshake did not complete "
+                f"({code.name}: {details}); is the server serving TLS on this port?")
         return EtcdConnectionError(f"{where}: etcd unreachable ({code.name}: {details})")
     if code is grpc.StatusCode.PERMISSION_DENIED:
         return EtcdPermissionError(f"{where}: {details}")
@@ -186,6 +201,11 @@ class Connection:
         self._current = 0
         self._token: str | None = None
         self._closed = False
+        # gRPC takes the minimum reconnect back-off as the time one connection attempt
+        # (TCP, TLS and HTTP/2 handshakes) may take: 100 ms failed every TLS handshake over
+        # a link slower than ~25 ms one-way. An attempt may take up to connect_timeout
+        # (at least 1 s, at most gRPC's own 20 s); retries still start 100 ms apart.
+        connect_ms = int(min(max(config.connect_timeout, 1.0), 20.0) * 1000)
         self._options = [
             ("grpc.max_receive_message_length", -1),
             ("grpc.max_send_message_length", -1),
@@ -196,7 +216,7 @@ class Connection:
             # gRPC's default reconnect back-off grows to 120 s: a restarted etcd would stay
             # unused for minutes. Our own back-off paces the retries instead.
             ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", connect_ms),
             ("grpc.max_reconnect_backoff_ms", 2000),
             ("grpc.enable_retries", 0),
         ]
