@@ -24,6 +24,7 @@ from .config import StoreConfig
 from .errors import (
     AuthenticationError,
     CachedStoreError,
+    ClusterMismatchError,
     EtcdConnectionError,
     EtcdError,
     EtcdPermissionError,
@@ -165,9 +166,12 @@ def translate_rpc_error(exc: grpc.RpcError, method: str) -> CachedStoreError:
 
 
 class _Endpoint:
-    """One etcd endpoint: its lazily created channel and the stubs on it."""
+    """One etcd endpoint: its lazily created channel and the stubs on it, whether the
+    member behind it was checked to belong to the store's cluster, and the id of the other
+    cluster it belongs to if it does not (it is then never used again)."""
 
-    __slots__ = ("target", "channel", "kv", "maintenance", "auth", "watch", "lease")
+    __slots__ = ("target", "channel", "kv", "maintenance", "auth", "watch", "lease",
+                 "checked", "foreign")
     kv: Any
     maintenance: Any
     auth: Any
@@ -177,6 +181,8 @@ class _Endpoint:
     def __init__(self, target: str) -> None:
         self.target = target
         self.channel: grpc.Channel | None = None
+        self.checked = False
+        self.foreign: int | None = None
 
 
 class Connection:
@@ -201,6 +207,8 @@ class Connection:
         self._current = 0
         self._token: str | None = None
         self._closed = False
+        #: The ``cluster_id`` of the first member that answered: the store's cluster.
+        self._cluster_id: int | None = None
         # gRPC takes the minimum reconnect back-off as the time one connection attempt
         # (TCP, TLS and HTTP/2 handshakes) may take: 100 ms failed every TLS handshake over
         # a link slower than ~25 ms one-way. An attempt may take up to connect_timeout
@@ -247,13 +255,65 @@ class Connection:
             return index, ep
 
     def failover(self, failed_index: int) -> None:
-        """Move to the next endpoint, unless another thread already moved off ``failed_index``."""
+        """Move to the next endpoint not known to belong to another cluster, unless another
+        thread already moved off ``failed_index``."""
         with self._lock:
-            if self._current == failed_index and len(self._endpoints) > 1:
-                self._current = (failed_index + 1) % len(self._endpoints)
+            n = len(self._endpoints)
+            if self._current == failed_index and n > 1:
+                for step in range(1, n):
+                    candidate = (failed_index + step) % n
+                    if self._endpoints[candidate].foreign is None:
+                        break
+                else:
+                    return  # every other endpoint is another cluster's: stay
+                self._current = candidate
                 log.info("cachedstore: etcd endpoint %s failed; failing over to %s",
                          self._endpoints[failed_index].target,
                          self._endpoints[self._current].target)
+
+    # -- cluster identity ------------------------------------------------------------------
+    @property
+    def cluster_id(self) -> int | None:
+        """The id of the store's etcd cluster, once a member has answered."""
+        return self._cluster_id
+
+    @property
+    def foreign_endpoints(self) -> list[str]:
+        """Endpoints refused because they answered as members of another cluster."""
+        return [ep.target for ep in self._endpoints if ep.foreign is not None]
+
+    def check_cluster(self, index: int, header: Any) -> None:
+        """Check a response header from endpoint ``index``: the first one seen fixes the
+        store's cluster; one from another cluster marks the endpoint foreign (never used
+        again), fails over and raises ClusterMismatchError."""
+        cluster_id = int(header.cluster_id)
+        with self._lock:
+            if self._cluster_id is None:
+                self._cluster_id = cluster_id
+            expected = self._cluster_id
+            ep = self._endpoints[index]
+            if cluster_id == expected:
+                ep.checked = True
+                return
+            first = ep.foreign is None
+            ep.foreign = cluster_id
+        if first:
+            log.error("cachedstore: etcd endpoint %s belongs to another cluster (id %x, "
+                      "expected %x); it will not be used", ep.target, cluster_id, expected)
+        self.failover(index)
+        raise ClusterMismatchError(
+            f"etcd endpoint {ep.target} is a member of another cluster (cluster id "
+            f"{cluster_id:x}, the store's is {expected:x}); it is not used")
+
+    def checked_endpoint(self, deadline: float) -> tuple[int, _Endpoint]:
+        """Like :meth:`endpoint`, once the member behind it is known to belong to the
+        store's cluster (one ``Status`` call the first time). Blocks up to ``deadline``;
+        raises what :meth:`call` raises."""
+        while True:
+            index, ep = self.endpoint()
+            if ep.checked:
+                return index, ep
+            self.call("status", etcdrpc.StatusRequest(), deadline=deadline)
 
     # -- auth ----------------------------------------------------------------------------
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -306,13 +366,18 @@ class Connection:
         reauthenticated = False
         tls_failures = 0
         n_endpoints = len(self._endpoints)
+        mismatch: ClusterMismatchError | None = None
         while True:
             index, ep = self.endpoint()
+            if ep.foreign is not None:  # every endpoint left is another cluster's
+                raise mismatch or ClusterMismatchError(
+                    f"etcd {method}: every reachable endpoint is a member of another "
+                    f"cluster than the store's ({', '.join(self.foreign_endpoints)})")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise EtcdConnectionError(
+                raise _with_mismatch(EtcdConnectionError(
                     f"etcd {method}: no answer from {', '.join(self.targets)} within the "
-                    f"request timeout")
+                    f"request timeout"), mismatch)
             # With several endpoints, one black-holed member must not eat the whole budget.
             per_attempt = remaining if n_endpoints == 1 else max(
                 min(remaining, 1.0), remaining / 2)
@@ -320,6 +385,18 @@ class Connection:
             metadata = _metadata(token)
             started = time.perf_counter()
             try:
+                if not ep.checked:
+                    # Never send a request to a member before it is known to be ours.
+                    status = ep.maintenance.Status(etcdrpc.StatusRequest(),
+                                                   timeout=per_attempt, metadata=metadata)
+                    try:
+                        self.check_cluster(index, status.header)
+                    except ClusterMismatchError as exc:
+                        mismatch = exc
+                        continue
+                    if method == "status":
+                        self._metrics.rpc(method, "ok", time.perf_counter() - started)
+                        return status
                 response = _rpc(ep, method)(request, timeout=per_attempt, metadata=metadata)
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
@@ -354,13 +431,17 @@ class Connection:
                     if retry != IDEMPOTENT and not unsent and not isinstance(error, TLSError):
                         error = EtcdConnectionError(
                             f"{error}; the request may or may not have been applied")
-                    raise error from exc
+                    raise _with_mismatch(error, mismatch) from exc
                 raise translate_rpc_error(exc, method) from exc
             except ValueError as exc:  # grpc raises it for a channel closed under us
                 if self._closed:
                     raise StoreClosedError("the store is closed") from None
                 raise EtcdError(f"etcd {method}: {exc}") from exc
             self._metrics.rpc(method, "ok", time.perf_counter() - started)
+            if response.header.cluster_id != self._cluster_id:
+                # The member behind a checked endpoint was replaced by another cluster's
+                # (same address, new data): the answer cannot be used.
+                self.check_cluster(index, response.header)
             return response
 
     def close(self) -> None:
@@ -376,6 +457,15 @@ class Connection:
     @property
     def closed(self) -> bool:
         return self._closed
+
+
+def _with_mismatch(error: CachedStoreError, mismatch: ClusterMismatchError | None
+                   ) -> CachedStoreError:
+    """``error``, as a ClusterMismatchError that names the refused member when the call
+    also met a member of another cluster (which it did not use)."""
+    if mismatch is None or not isinstance(error, EtcdConnectionError):
+        return error
+    return ClusterMismatchError(f"{error}; and {mismatch}")
 
 
 _METHODS: dict[str, tuple[str, str]] = {

@@ -202,7 +202,8 @@ class Watcher:
 
     def _stream_once(self) -> str:
         """Run one watch stream until it ends; return why it ended (a restart reason)."""
-        index, endpoint = self._conn.endpoint()
+        # A member of another cluster is never watched: its revisions are not ours.
+        index, endpoint = self._conn.checked_endpoint(self._conn.deadline())
         requests: queue.Queue[Any] = queue.Queue()
         stalled = threading.Event()
         create = etcdrpc.WatchRequest(create_request=etcdrpc.WatchCreateRequest(
@@ -246,7 +247,7 @@ class Watcher:
         try:
             for response in call:
                 self._stream_contact = time.monotonic()
-                reason = self._handle(response)
+                reason = self._handle(response, index)
                 if reason is not None:
                     return reason
                 if self._cache.floor == 0:  # caught up: the cache is confirmed current
@@ -288,8 +289,10 @@ class Watcher:
             return False
         return True
 
-    def _handle(self, response: Any) -> str | None:
-        """Apply one watch response; return a restart reason if the stream must end."""
+    def _handle(self, response: Any, index: int) -> str | None:
+        """Apply one watch response from endpoint ``index``; return a restart reason if
+        the stream must end. Raises ClusterMismatchError for a stream created on a member
+        of another cluster (its member was replaced since it was checked)."""
         if response.canceled:
             if response.compact_revision:
                 self.last_error = CachedStoreError(
@@ -303,6 +306,7 @@ class Watcher:
                 return "auth"
             return "canceled"
         if response.created:
+            self._conn.check_cluster(index, response.header)
             self._stream_was_healthy = True
             self._set_up(response.header.revision)
             self._metrics.watch_revision.set(response.header.revision)
