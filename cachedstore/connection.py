@@ -330,6 +330,12 @@ class Connection:
     def has_credentials(self) -> bool:
         return self._credentials.user is not None
 
+    @property
+    def has_identity(self) -> bool:
+        """Whether etcd can tell who this store is (a user, or a client certificate whose
+        common name etcd's auth takes as the user): access that can be revoked."""
+        return self._credentials.user is not None or self._credentials.cert_cert is not None
+
     def authenticate(self, deadline: float, stale_token: str | None = None) -> None:
         """Get a fresh auth token (no-op without credentials, or if another thread already
         replaced ``stale_token``). Raises AuthenticationError for a wrong password."""

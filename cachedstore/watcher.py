@@ -15,6 +15,13 @@ dies silently and cannot resume). It covers the store's whole prefix and:
   that has not answered any progress request (etcd's grpc-proxy ignores them) is first
   probed with a unary range on the same channel; only if that fails too is it stalled
   (detected within ``stall_timeout + 2 * progress_interval``);
+- with credentials, re-checks every ``auth_check_interval`` (and after a token renewal)
+  that they still grant reading the prefix, since etcd never re-checks an open watch: a
+  deleted user or a revoked role ends the stream (restart reason ``auth``) within that
+  interval plus one request;
+- opens streams only on members checked to belong to the store's cluster, and sends
+  etcd's require-leader flag, so that a member cut off from its peers ends the stream
+  (after about three election timeouts) instead of answering from its frozen state;
 - stops the cache from being served (``cache.watch_down()``) from the moment any of this
   goes wrong until the stream is healthy again, and counts every restart by reason.
 
@@ -37,7 +44,7 @@ from etcd3 import etcdrpc
 from .cache import CoherentCache
 from .config import StoreConfig
 from .connection import Connection
-from .errors import CachedStoreError, StoreClosedError
+from .errors import CachedStoreError, EtcdPermissionError, StoreClosedError
 from .keys import KeySpace
 from .metrics import NullMetrics, StoreMetrics
 
@@ -206,23 +213,46 @@ class Watcher:
         index, endpoint = self._conn.checked_endpoint(self._conn.deadline())
         requests: queue.Queue[Any] = queue.Queue()
         stalled = threading.Event()
+        denied = threading.Event()
         create = etcdrpc.WatchRequest(create_request=etcdrpc.WatchCreateRequest(
             key=self._keyspace.range_start, range_end=self._keyspace.range_end,
             start_revision=self._revision + 1))
         progress = etcdrpc.WatchRequest(progress_request=etcdrpc.WatchProgressRequest())
         interval = self._config.progress_interval
         stall_timeout = self._config.stall_timeout
+        auth_interval = self._config.auth_check_interval if self._conn.has_identity else None
 
         def request_stream() -> Iterator[Any]:
-            # Runs on gRPC's request-consumer thread; doubles as the stall watchdog.
+            # Runs on gRPC's request-consumer thread; doubles as the stall watchdog and,
+            # with credentials, as the access re-check.
             yield create
+            next_progress = time.monotonic() + interval
+            next_auth = time.monotonic() + auth_interval if auth_interval else None
+            checked_token = self._conn.token
             while True:
+                now = time.monotonic()
+                wait = next_progress - now
+                if next_auth is not None:
+                    wait = min(wait, next_auth - now)
                 try:
-                    item = requests.get(timeout=interval)
+                    item = requests.get(timeout=max(0.0, wait))
                 except queue.Empty:
                     if self._stopping.is_set():
                         return
-                    if time.monotonic() - self._stream_contact > stall_timeout:
+                    now = time.monotonic()
+                    if next_auth is not None and auth_interval is not None and (
+                            now >= next_auth or self._conn.token != checked_token):
+                        checked_token = self._conn.token
+                        if not self._access_granted():
+                            denied.set()
+                            self._cache.watch_down()  # stop serving now
+                            call.cancel()
+                            return
+                        next_auth = time.monotonic() + auth_interval
+                    if now < next_progress:
+                        continue
+                    next_progress = now + interval
+                    if now - self._stream_contact > stall_timeout:
                         if not self._progress_answered and self._probe(endpoint, interval):
                             # Quiet, not stalled: this endpoint ignores progress requests
                             # (etcd's grpc-proxy) but answers on the same channel.
@@ -261,6 +291,8 @@ class Watcher:
             if stalled.is_set():
                 self._conn.failover(index)
                 return "stalled"
+            if denied.is_set():
+                return "auth"
             code = exc.code() if hasattr(exc, "code") else None
             details = ((exc.details() if hasattr(exc, "details") else "") or "").lower()
             if code is grpc.StatusCode.UNAUTHENTICATED or "auth token" in details:
@@ -277,6 +309,22 @@ class Watcher:
             requests.put(None)
             call.cancel()
             self._call = None
+
+    def _access_granted(self) -> bool:
+        """Whether the store's credentials still let it read its prefix: one count-only
+        range with the current token (renewed if expired). False only when etcd denies it
+        (the error is kept in ``last_error``); a transport failure is the stall watchdog's
+        business and counts as granted."""
+        try:
+            current_revision(self._conn, self._keyspace, self._conn.deadline())
+        except EtcdPermissionError as exc:  # AuthenticationError included
+            self.last_error = exc
+            log.warning("cachedstore watch: access to the prefix was revoked (%s); the "
+                        "cache is not served until it is granted again", exc)
+            return False
+        except CachedStoreError:
+            return True
+        return True
 
     def _probe(self, endpoint: Any, timeout: float) -> bool:
         """Liveness of a stream that never answered a progress request: one count-only
