@@ -224,7 +224,8 @@ class Watcher:
 
         def request_stream() -> Iterator[Any]:
             # Runs on gRPC's request-consumer thread; doubles as the stall watchdog and,
-            # with credentials, as the access re-check.
+            # with credentials, as the access re-check (which never delays the watchdog:
+            # it runs after a progress tick, within the time left until the next one).
             yield create
             next_progress = time.monotonic() + interval
             next_auth = time.monotonic() + auth_interval if auth_interval else None
@@ -240,29 +241,35 @@ class Watcher:
                     if self._stopping.is_set():
                         return
                     now = time.monotonic()
-                    if next_auth is not None and auth_interval is not None and (
-                            now >= next_auth or self._conn.token != checked_token):
-                        checked_token = self._conn.token
-                        if not self._access_granted():
-                            denied.set()
-                            self._cache.watch_down()  # stop serving now
+                    if now >= next_progress:
+                        next_progress = now + interval
+                        if now - self._stream_contact > stall_timeout:
+                            if not self._progress_answered and self._probe(endpoint,
+                                                                           interval):
+                                # Quiet, not stalled: this endpoint ignores progress
+                                # requests (etcd's grpc-proxy) but answers on the channel.
+                                self._stream_contact = time.monotonic()
+                                continue
+                            stalled.set()
+                            self._cache.watch_down()  # stop serving now, not after cancel
                             call.cancel()
                             return
-                        next_auth = time.monotonic() + auth_interval
-                    if now < next_progress:
+                        yield progress
+                    if next_auth is None or auth_interval is None:
                         continue
-                    next_progress = now + interval
-                    if now - self._stream_contact > stall_timeout:
-                        if not self._progress_answered and self._probe(endpoint, interval):
-                            # Quiet, not stalled: this endpoint ignores progress requests
-                            # (etcd's grpc-proxy) but answers on the same channel.
-                            self._stream_contact = time.monotonic()
-                            continue
-                        stalled.set()
-                        self._cache.watch_down()  # stop serving now, not after the cancel
+                    token = self._conn.token
+                    if time.monotonic() < next_auth and token == checked_token:
+                        continue
+                    budget = max(0.05, next_progress - time.monotonic())
+                    granted = self._access_granted(budget)
+                    if granted is False:
+                        denied.set()
+                        self._cache.watch_down()  # stop serving now
                         call.cancel()
                         return
-                    yield progress
+                    if granted:  # None (no answer in time): ask again at the next wake-up
+                        checked_token = self._conn.token  # renewed by the check, if at all
+                        next_auth = time.monotonic() + auth_interval
                     continue
                 if item is None:
                     return
@@ -310,20 +317,20 @@ class Watcher:
             call.cancel()
             self._call = None
 
-    def _access_granted(self) -> bool:
+    def _access_granted(self, timeout: float) -> bool | None:
         """Whether the store's credentials still let it read its prefix: one count-only
-        range with the current token (renewed if expired). False only when etcd denies it
-        (the error is kept in ``last_error``); a transport failure is the stall watchdog's
-        business and counts as granted."""
+        range with the current token (renewed if expired), given ``timeout`` seconds.
+        False when etcd denies it (the error is kept in ``last_error``); None when there
+        was no answer (a transport failure is the stall watchdog's business)."""
         try:
-            current_revision(self._conn, self._keyspace, self._conn.deadline())
+            current_revision(self._conn, self._keyspace, self._conn.deadline(timeout))
         except EtcdPermissionError as exc:  # AuthenticationError included
             self.last_error = exc
             log.warning("cachedstore watch: access to the prefix was revoked (%s); the "
                         "cache is not served until it is granted again", exc)
             return False
         except CachedStoreError:
-            return True
+            return None
         return True
 
     def _probe(self, endpoint: Any, timeout: float) -> bool:

@@ -16,6 +16,7 @@ from cachedstore import AuthenticationError, EtcdPermissionError, EtcdStore, Sto
 from cachedstore.server import LocalEtcd
 
 from . import restarts, served_from_cache, wait_until
+from .proxy import FaultProxy
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -67,3 +68,24 @@ def test_revoked_access_stops_serving(server: LocalEtcd, revoke: str) -> None:
         assert not store.watch_healthy
         with pytest.raises(expected):
             store.get("k")
+
+
+def test_access_checks_do_not_delay_stall_detection(server: LocalEtcd) -> None:
+    """The access check runs on the watchdog's thread; against a silent partition it must
+    give up before the next progress tick instead of holding the watchdog for a whole
+    ``request_timeout``. The stall bound is the one without credentials."""
+    stall_timeout, progress_interval = 1.5, 0.5
+    bound = stall_timeout + 2 * progress_interval
+    config = StoreConfig(auth_check_interval=0.2)
+    with FaultProxy(server.endpoint, max_lifetime=50) as proxy, EtcdStore(
+            endpoints=[proxy.endpoint], prefix=PREFIX, user="bob", password=USER_PASSWORD,
+            config=config, request_timeout=10.0, stall_timeout=stall_timeout,
+            progress_interval=progress_interval) as store:
+        store.set("k", "v")
+        wait_until(lambda: served_from_cache(store, "k", b"v"), 5, "k served from the cache")
+        proxy.stall()
+        detected = wait_until(lambda: not store.watch_healthy, bound + 10,
+                              "the stall to be detected")
+        print(f"stall detected after {detected:.2f} s with access checks every 0.2 s")
+        assert detected <= bound + 1.0  # the same slack as test_outages.py
+        wait_until(lambda: restarts(store, "stalled") >= 1, 5, "a restart for the stall")
