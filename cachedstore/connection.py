@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 from etcd3 import etcdrpc
 
+from .clock import SYSTEM_CLOCK, Clock
 from .config import StoreConfig
 from .errors import (
     AuthenticationError,
@@ -193,7 +194,8 @@ class Connection:
     """
 
     def __init__(self, endpoints: Sequence[tuple[str, int]], credentials: Credentials,
-                 config: StoreConfig, metrics: StoreMetrics | NullMetrics) -> None:
+                 config: StoreConfig, metrics: StoreMetrics | NullMetrics,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         if not endpoints:
             raise InvalidInputError("at least one endpoint is required")
         self._endpoints = [
@@ -202,6 +204,8 @@ class Connection:
         self._channel_credentials = credentials.channel_credentials()
         self._config = config
         self._metrics = metrics
+        #: Deadlines and back-off waits (gRPC's own timeouts are real seconds).
+        self._clock = clock
         self._lock = threading.Lock()
         self._auth_lock = threading.Lock()
         self._current = 0
@@ -354,14 +358,18 @@ class Connection:
 
     # -- calls ---------------------------------------------------------------------------
     def deadline(self, timeout: float | None = None) -> float:
-        return time.monotonic() + (self._config.request_timeout if timeout is None else timeout)
+        """The deadline (on the connection's clock) ``timeout`` seconds from now; default
+        ``request_timeout``."""
+        return self._clock.monotonic() + (
+            self._config.request_timeout if timeout is None else timeout)
 
     def call(self, method: str, request: Any, *, deadline: float, retry: str = IDEMPOTENT,
              authenticated: bool = True) -> Any:
         """Send one unary RPC (``range``, ``txn``, ``put``, ``delete_range``, ``status``,
         ``authenticate``, ``lease_grant``, ``lease_revoke``...) and return its response.
 
-        Blocks until the response or ``deadline`` (a ``time.monotonic()`` value). Transport
+        Blocks until the response or ``deadline`` (a value of the connection's clock, as
+        :meth:`deadline` returns). Transport
         failures move to the next endpoint and retry after a jittered back-off: always for
         ``IDEMPOTENT`` calls, and for ``UNSENT_ONLY`` calls only while the failure shows the
         request never reached etcd. Raises EtcdConnectionError (outcome unknown for
@@ -379,7 +387,7 @@ class Connection:
                 raise mismatch or ClusterMismatchError(
                     f"etcd {method}: every reachable endpoint is a member of another "
                     f"cluster than the store's ({', '.join(self.foreign_endpoints)})")
-            remaining = deadline - time.monotonic()
+            remaining = deadline - self._clock.monotonic()
             if remaining <= 0:
                 raise _with_mismatch(EtcdConnectionError(
                     f"etcd {method}: no answer from {', '.join(self.targets)} within the "
@@ -430,8 +438,8 @@ class Connection:
                     if retry == IDEMPOTENT or unsent:
                         delay = backoff.delay(attempt)
                         attempt += 1
-                        if time.monotonic() + delay < deadline:
-                            time.sleep(delay)
+                        if self._clock.monotonic() + delay < deadline:
+                            self._clock.sleep(delay)
                             continue
                     error = translate_rpc_error(exc, method)
                     if retry != IDEMPOTENT and not unsent and not isinstance(error, TLSError):

@@ -32,9 +32,7 @@ The thread never dies silently: every exception is caught, logged, counted as a 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -42,6 +40,7 @@ import grpc
 from etcd3 import etcdrpc
 
 from .cache import CoherentCache
+from .clock import SYSTEM_CLOCK, Clock
 from .config import StoreConfig
 from .connection import Connection
 from .errors import CachedStoreError, EtcdPermissionError, StoreClosedError
@@ -107,8 +106,12 @@ class Watcher:
     ``ready``, ``last_contact``, ``last_error``."""
 
     def __init__(self, conn: Connection, keyspace: KeySpace, cache: CoherentCache,
-                 config: StoreConfig, metrics: StoreMetrics | NullMetrics, name: str) -> None:
+                 config: StoreConfig, metrics: StoreMetrics | NullMetrics, name: str,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         self._conn = conn
+        #: Every timer of the watch (progress, stall, access checks, back-off) reads it;
+        #: gRPC's own timeouts (the liveness probe) are real seconds.
+        self._clock = clock
         self._keyspace = keyspace
         self._cache = cache
         self._config = config
@@ -122,10 +125,10 @@ class Watcher:
         self.ready = threading.Event()
         #: True while the stream is healthy and the cache may be served.
         self.up = False
-        #: ``time.monotonic()`` of the last message from etcd that found the cache caught
+        #: The clock's time of the last message from etcd that found the cache caught
         #: up (the reference of ``max_staleness``). Reconnect attempts do not move it.
         self.last_contact = 0.0
-        #: ``time.monotonic()`` of the current stream's start or last message (stall watchdog).
+        #: The clock's time of the current stream's start or last message (stall watchdog).
         self._stream_contact = 0.0
         #: Whether the current stream has answered a progress request (grpc-proxy never does).
         self._progress_answered = False
@@ -195,7 +198,7 @@ class Watcher:
                 self._needs_resync = True
             # A stream that got as far as being created starts the back-off over.
             attempt = 0 if self._stream_was_healthy else attempt + 1
-            self._stopping.wait(self._config.backoff.delay(attempt))
+            self._clock.wait(self._stopping, self._config.backoff.delay(attempt))
         self._set_down()
 
     def _resync(self) -> None:
@@ -211,7 +214,8 @@ class Watcher:
         """Run one watch stream until it ends; return why it ended (a restart reason)."""
         # A member of another cluster is never watched: its revisions are not ours.
         index, endpoint = self._conn.checked_endpoint(self._conn.deadline())
-        requests: queue.Queue[Any] = queue.Queue()
+        ended = threading.Event()  # set when this stream is over: the request side ends
+        clock = self._clock
         stalled = threading.Event()
         denied = threading.Event()
         create = etcdrpc.WatchRequest(create_request=etcdrpc.WatchCreateRequest(
@@ -227,20 +231,18 @@ class Watcher:
             # with credentials, as the access re-check (which never delays the watchdog:
             # it runs after a progress tick, within the time left until the next one).
             yield create
-            next_progress = time.monotonic() + interval
-            next_auth = time.monotonic() + auth_interval if auth_interval else None
+            next_progress = clock.monotonic() + interval
+            next_auth = clock.monotonic() + auth_interval if auth_interval else None
             checked_token = self._conn.token
             while True:
-                now = time.monotonic()
+                now = clock.monotonic()
                 wait = next_progress - now
                 if next_auth is not None:
                     wait = min(wait, next_auth - now)
-                try:
-                    item = requests.get(timeout=max(0.0, wait))
-                except queue.Empty:
+                if not clock.wait(ended, max(0.0, wait)):
                     if self._stopping.is_set():
                         return
-                    now = time.monotonic()
+                    now = clock.monotonic()
                     if now >= next_progress:
                         next_progress = now + interval
                         if now - self._stream_contact > stall_timeout:
@@ -248,7 +250,7 @@ class Watcher:
                                                                            interval):
                                 # Quiet, not stalled: this endpoint ignores progress
                                 # requests (etcd's grpc-proxy) but answers on the channel.
-                                self._stream_contact = time.monotonic()
+                                self._stream_contact = clock.monotonic()
                                 continue
                             stalled.set()
                             self._cache.watch_down()  # stop serving now, not after cancel
@@ -258,9 +260,9 @@ class Watcher:
                     if next_auth is None or auth_interval is None:
                         continue
                     token = self._conn.token
-                    if time.monotonic() < next_auth and token == checked_token:
+                    if clock.monotonic() < next_auth and token == checked_token:
                         continue
-                    budget = max(0.05, next_progress - time.monotonic())
+                    budget = max(0.05, next_progress - clock.monotonic())
                     granted = self._access_granted(budget)
                     if granted is False:
                         denied.set()
@@ -269,13 +271,11 @@ class Watcher:
                         return
                     if granted:  # None (no answer in time): ask again at the next wake-up
                         checked_token = self._conn.token  # renewed by the check, if at all
-                        next_auth = time.monotonic() + auth_interval
+                        next_auth = clock.monotonic() + auth_interval
                     continue
-                if item is None:
-                    return
-                yield item
+                return  # the stream is over
 
-        self._stream_contact = time.monotonic()
+        self._stream_contact = clock.monotonic()
         self._progress_answered = False
         call = endpoint.watch.Watch(request_stream(), metadata=self._conn.metadata())
         self._call = call
@@ -283,7 +283,7 @@ class Watcher:
             call.cancel()
         try:
             for response in call:
-                self._stream_contact = time.monotonic()
+                self._stream_contact = clock.monotonic()
                 reason = self._handle(response, index)
                 if reason is not None:
                     return reason
@@ -313,7 +313,7 @@ class Watcher:
                 return "canceled"
             return "error"
         finally:
-            requests.put(None)
+            ended.set()
             call.cancel()
             self._call = None
 
