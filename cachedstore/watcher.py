@@ -126,7 +126,8 @@ class Watcher:
         #: True while the stream is healthy and the cache may be served.
         self.up = False
         #: The clock's time of the last message from etcd that found the cache caught
-        #: up (the reference of ``max_staleness``). Reconnect attempts do not move it.
+        #: up (the reference of ``max_staleness``). Reconnect attempts do not move it; a
+        #: denied access check sets it to -inf (nothing stale is served to a revoked user).
         self.last_contact = 0.0
         #: The clock's time of the current stream's start or last message (stall watchdog).
         self._stream_contact = 0.0
@@ -180,6 +181,8 @@ class Watcher:
             except CachedStoreError as exc:  # resync could not reach etcd, auth failed...
                 self.last_error = exc
                 reason = "auth" if isinstance(exc, PermissionError) else "disconnect"
+                if isinstance(exc, PermissionError):
+                    self._revoked()
             except Exception as exc:  # never die silently
                 self.last_error = exc
                 log.exception("cachedstore watch: unexpected error; restarting the stream")
@@ -266,7 +269,7 @@ class Watcher:
                     granted = self._access_granted(budget)
                     if granted is False:
                         denied.set()
-                        self._cache.watch_down()  # stop serving now
+                        self._revoked()
                         call.cancel()
                         return
                     if granted:  # None (no answer in time): ask again at the next wake-up
@@ -317,6 +320,13 @@ class Watcher:
             call.cancel()
             self._call = None
 
+    def _revoked(self) -> None:
+        """etcd denied the store's credentials: stop serving now, and nothing under
+        ``max_staleness`` either (what the cache holds is no longer theirs to read) until
+        a stream is healthy again."""
+        self.last_contact = float("-inf")
+        self._cache.watch_down()
+
     def _access_granted(self, timeout: float) -> bool | None:
         """Whether the store's credentials still let it read its prefix: one count-only
         range with the current token (renewed if expired), given ``timeout`` seconds.
@@ -356,6 +366,8 @@ class Watcher:
                 return "compacted"
             reason = response.cancel_reason or "watch canceled by etcd"
             self.last_error = CachedStoreError(reason)
+            if "permission denied" in reason.lower():
+                self._revoked()
             if any(m in reason.lower() for m in _AUTH_MARKERS):
                 self._conn.authenticate(self._conn.deadline(), stale_token=_token(self._conn))
                 return "auth"

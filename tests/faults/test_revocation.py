@@ -41,9 +41,13 @@ def server(etcd_factory: Callable[..., LocalEtcd]) -> LocalEtcd:
     return server
 
 
+@pytest.mark.parametrize("max_staleness", [None, 60.0], ids=["strict", "max_staleness"])
 @pytest.mark.parametrize("revoke", ["revoke-permission", "delete-user"])
-def test_revoked_access_stops_serving(server: LocalEtcd, revoke: str) -> None:
-    config = StoreConfig(auth_check_interval=INTERVAL)
+def test_revoked_access_stops_serving(server: LocalEtcd, revoke: str,
+                                      max_staleness: float | None) -> None:
+    """Also with bounded staleness opted in: a revoked user is not served what the cache
+    holds for another ``max_staleness`` seconds."""
+    config = StoreConfig(auth_check_interval=INTERVAL, max_staleness=max_staleness)
     with EtcdStore(endpoints=[server.endpoint], prefix=PREFIX, user="bob",
                    password=USER_PASSWORD, config=config, request_timeout=2.0) as store:
         store.set("k", "v")
