@@ -391,7 +391,7 @@ class Connection:
             if remaining <= 0:
                 raise _with_mismatch(EtcdConnectionError(
                     f"etcd {method}: no answer from {', '.join(self.targets)} within the "
-                    f"request timeout"), mismatch)
+                    f"request timeout"), mismatch, self.foreign_endpoints)
             # With several endpoints, one black-holed member must not eat the whole budget.
             per_attempt = remaining if n_endpoints == 1 else max(
                 min(remaining, 1.0), remaining / 2)
@@ -445,7 +445,7 @@ class Connection:
                     if retry != IDEMPOTENT and not unsent and not isinstance(error, TLSError):
                         error = EtcdConnectionError(
                             f"{error}; the request may or may not have been applied")
-                    raise _with_mismatch(error, mismatch) from exc
+                    raise _with_mismatch(error, mismatch, self.foreign_endpoints) from exc
                 raise translate_rpc_error(exc, method) from exc
             except ValueError as exc:  # grpc raises it for a channel closed under us
                 if self._closed:
@@ -473,13 +473,16 @@ class Connection:
         return self._closed
 
 
-def _with_mismatch(error: CachedStoreError, mismatch: ClusterMismatchError | None
-                   ) -> CachedStoreError:
-    """``error``, as a ClusterMismatchError that names the refused member when the call
-    also met a member of another cluster (which it did not use)."""
-    if mismatch is None or not isinstance(error, EtcdConnectionError):
+def _with_mismatch(error: CachedStoreError, mismatch: ClusterMismatchError | None,
+                   foreign: list[str]) -> CachedStoreError:
+    """``error``, as a ClusterMismatchError naming the refused members when the call met a
+    member of another cluster or some endpoints are known to be other clusters' (which is
+    why they were not tried)."""
+    if not isinstance(error, EtcdConnectionError) or (mismatch is None and not foreign):
         return error
-    return ClusterMismatchError(f"{error}; and {mismatch}")
+    verb = "is a member" if len(foreign) == 1 else "are members"
+    why = mismatch or f"{', '.join(foreign)} {verb} of another cluster and not used"
+    return ClusterMismatchError(f"{error}; and {why}")
 
 
 _METHODS: dict[str, tuple[str, str]] = {
