@@ -90,6 +90,13 @@ class StoreConfig:
     #: A silent partition is therefore detected within ``stall_timeout + progress_interval``
     #: (8 s by default).
     stall_timeout: float = 6.0
+    #: With credentials (a user, or a client certificate), how often the watch re-checks
+    #: that they still grant reading the prefix: one count-only range with the current
+    #: token, also run as soon as the token was renewed. etcd never re-checks an open
+    #: watch, so without this a deleted user or a revoked role kept its watch, and the
+    #: store kept serving. A denial stops serving within this interval plus one request;
+    #: reads then raise ``EtcdPermissionError``/``AuthenticationError``. None disables it.
+    auth_check_interval: float | None = 5.0
     #: gRPC keepalive pings on idle connections (etcd refuses pings more often than 5 s).
     keepalive_time: float = 10.0
     keepalive_timeout: float = 5.0

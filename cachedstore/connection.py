@@ -20,10 +20,12 @@ from typing import Any
 import grpc
 from etcd3 import etcdrpc
 
+from .clock import SYSTEM_CLOCK, Clock
 from .config import StoreConfig
 from .errors import (
     AuthenticationError,
     CachedStoreError,
+    ClusterMismatchError,
     EtcdConnectionError,
     EtcdError,
     EtcdPermissionError,
@@ -45,8 +47,24 @@ UNSENT_ONLY = "unsent-only"  # retried only when the request cannot have reached
 _TRANSPORT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _UNSENT_MARKERS = ("failed to connect", "connection refused", "connect failed",
                    "dns resolution", "no route to host", "name resolution")
-_TLS_MARKERS = ("ssl", "tls", "handshake", "certificate")
+#: A TLS handshake that *failed verification* (a certificate, an alert, a host name): it
+#: does not fix itself. A handshake that was merely cut short ("Handshake read failed
+#: (Endpoint closing)", a connect deadline over a slow link, or a socket closed mid-way)
+#: carries none of these and is retried like any transport failure.
+_TLS_MARKERS = ("ssl_error", "tsi_protocol_failure", "certificate", "hostname verification",
+                "tls handshake failed", "ssl handshake failed")
+_HOSTNAME_MARKERS = ("hostname verification",)
 _TOKEN_MARKERS = ("invalid auth token", "auth token is expired", "user name is empty")
+#: etcd's require-leader metadata (what etcd's own clients send on watches). A member that
+#: has lost its leader (cut off from its peers) refuses such a request with "no leader"
+#: (Unavailable) instead of answering from its frozen state, and ends such a watch stream
+#: once it has been leaderless for about three election timeouts. Sent on every request,
+#: so that reads fail over at once and watches within that bound.
+REQUIRE_LEADER = ("hasleader", "true")
+
+
+def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return (("token", token), REQUIRE_LEADER) if token else (REQUIRE_LEADER,)
 
 
 def parse_endpoint(endpoint: str | tuple[str, int]) -> tuple[str, int]:
@@ -114,9 +132,18 @@ def translate_rpc_error(exc: grpc.RpcError, method: str) -> CachedStoreError:
     lowered = details.lower()
     where = f"etcd {method}"
     if code in _TRANSPORT_CODES:
+        if any(m in lowered for m in _HOSTNAME_MARKERS):
+            return TLSError(f"{where}: TLS handshake with etcd failed: the server's "
+                            f"certificate is not valid for the host name or address the "
+                            f"store connected to (hostname mismatch: {details}); use a name "
+                            f"listed in the certificate's subject alternative names")
         if any(m in lowered for m in _TLS_MARKERS):
             return TLSError(f"{where}: TLS handshake with etcd failed ({details}); check "
                             f"ca_cert and the server's certificate")
+        if "handshake" in lowered:  # cut short: too slow a link, or no TLS on the server
+            return EtcdConnectionError(
+                f"{where}: etcd unreachable: the TLS handshake did not complete "
+                f"({code.name}: {details}); is the server serving TLS on this port?")
         return EtcdConnectionError(f"{where}: etcd unreachable ({code.name}: {details})")
     if code is grpc.StatusCode.PERMISSION_DENIED:
         return EtcdPermissionError(f"{where}: {details}")
@@ -140,9 +167,12 @@ def translate_rpc_error(exc: grpc.RpcError, method: str) -> CachedStoreError:
 
 
 class _Endpoint:
-    """One etcd endpoint: its lazily created channel and the stubs on it."""
+    """One etcd endpoint: its lazily created channel and the stubs on it, whether the
+    member behind it was checked to belong to the store's cluster, and the id of the other
+    cluster it belongs to if it does not (it is then never used again)."""
 
-    __slots__ = ("target", "channel", "kv", "maintenance", "auth", "watch", "lease")
+    __slots__ = ("target", "channel", "kv", "maintenance", "auth", "watch", "lease",
+                 "checked", "foreign")
     kv: Any
     maintenance: Any
     auth: Any
@@ -152,6 +182,8 @@ class _Endpoint:
     def __init__(self, target: str) -> None:
         self.target = target
         self.channel: grpc.Channel | None = None
+        self.checked = False
+        self.foreign: int | None = None
 
 
 class Connection:
@@ -162,7 +194,8 @@ class Connection:
     """
 
     def __init__(self, endpoints: Sequence[tuple[str, int]], credentials: Credentials,
-                 config: StoreConfig, metrics: StoreMetrics | NullMetrics) -> None:
+                 config: StoreConfig, metrics: StoreMetrics | NullMetrics,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         if not endpoints:
             raise InvalidInputError("at least one endpoint is required")
         self._endpoints = [
@@ -171,11 +204,20 @@ class Connection:
         self._channel_credentials = credentials.channel_credentials()
         self._config = config
         self._metrics = metrics
+        #: Deadlines and back-off waits (gRPC's own timeouts are real seconds).
+        self._clock = clock
         self._lock = threading.Lock()
         self._auth_lock = threading.Lock()
         self._current = 0
         self._token: str | None = None
         self._closed = False
+        #: The ``cluster_id`` of the first member that answered: the store's cluster.
+        self._cluster_id: int | None = None
+        # gRPC takes the minimum reconnect back-off as the time one connection attempt
+        # (TCP, TLS and HTTP/2 handshakes) may take: 100 ms failed every TLS handshake over
+        # a link slower than ~25 ms one-way. An attempt may take up to connect_timeout
+        # (at least 1 s, at most gRPC's own 20 s); retries still start 100 ms apart.
+        connect_ms = int(min(max(config.connect_timeout, 1.0), 20.0) * 1000)
         self._options = [
             ("grpc.max_receive_message_length", -1),
             ("grpc.max_send_message_length", -1),
@@ -186,7 +228,7 @@ class Connection:
             # gRPC's default reconnect back-off grows to 120 s: a restarted etcd would stay
             # unused for minutes. Our own back-off paces the retries instead.
             ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", connect_ms),
             ("grpc.max_reconnect_backoff_ms", 2000),
             ("grpc.enable_retries", 0),
         ]
@@ -217,22 +259,86 @@ class Connection:
             return index, ep
 
     def failover(self, failed_index: int) -> None:
-        """Move to the next endpoint, unless another thread already moved off ``failed_index``."""
+        """Move to the next endpoint not known to belong to another cluster, unless another
+        thread already moved off ``failed_index``."""
         with self._lock:
-            if self._current == failed_index and len(self._endpoints) > 1:
-                self._current = (failed_index + 1) % len(self._endpoints)
+            n = len(self._endpoints)
+            if self._current == failed_index and n > 1:
+                for step in range(1, n):
+                    candidate = (failed_index + step) % n
+                    if self._endpoints[candidate].foreign is None:
+                        break
+                else:
+                    return  # every other endpoint is another cluster's: stay
+                self._current = candidate
                 log.info("cachedstore: etcd endpoint %s failed; failing over to %s",
                          self._endpoints[failed_index].target,
                          self._endpoints[self._current].target)
 
+    # -- cluster identity ------------------------------------------------------------------
+    @property
+    def cluster_id(self) -> int | None:
+        """The id of the store's etcd cluster, once a member has answered."""
+        return self._cluster_id
+
+    @property
+    def foreign_endpoints(self) -> list[str]:
+        """Endpoints refused because they answered as members of another cluster."""
+        return [ep.target for ep in self._endpoints if ep.foreign is not None]
+
+    def check_cluster(self, index: int, header: Any) -> None:
+        """Check a response header from endpoint ``index``: the first one seen fixes the
+        store's cluster; one from another cluster marks the endpoint foreign (never used
+        again), fails over and raises ClusterMismatchError."""
+        cluster_id = int(header.cluster_id)
+        with self._lock:
+            if self._cluster_id is None:
+                self._cluster_id = cluster_id
+            expected = self._cluster_id
+            ep = self._endpoints[index]
+            if cluster_id == expected:
+                ep.checked = True
+                return
+            first = ep.foreign is None
+            ep.foreign = cluster_id
+        if first:
+            log.error("cachedstore: etcd endpoint %s belongs to another cluster (id %x, "
+                      "expected %x); it will not be used", ep.target, cluster_id, expected)
+        self.failover(index)
+        raise ClusterMismatchError(
+            f"etcd endpoint {ep.target} is a member of another cluster (cluster id "
+            f"{cluster_id:x}, the store's is {expected:x}); it is not used")
+
+    def checked_endpoint(self, deadline: float) -> tuple[int, _Endpoint]:
+        """Like :meth:`endpoint`, once the member behind it is known to belong to the
+        store's cluster (one ``Status`` call the first time). Blocks up to ``deadline``;
+        raises what :meth:`call` raises."""
+        while True:
+            index, ep = self.endpoint()
+            if ep.checked:
+                return index, ep
+            self.call("status", etcdrpc.StatusRequest(), deadline=deadline)
+
     # -- auth ----------------------------------------------------------------------------
-    def metadata(self) -> tuple[tuple[str, str], ...] | None:
-        token = self._token
-        return (("token", token),) if token else None
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """gRPC metadata of every request: the auth token if any, and etcd's require-leader
+        flag (see :data:`REQUIRE_LEADER`)."""
+        return _metadata(self._token)
+
+    @property
+    def token(self) -> str | None:
+        """The current etcd auth token (None without credentials or before authenticating)."""
+        return self._token
 
     @property
     def has_credentials(self) -> bool:
         return self._credentials.user is not None
+
+    @property
+    def has_identity(self) -> bool:
+        """Whether etcd can tell who this store is (a user, or a client certificate whose
+        common name etcd's auth takes as the user): access that can be revoked."""
+        return self._credentials.user is not None or self._credentials.cert_cert is not None
 
     def authenticate(self, deadline: float, stale_token: str | None = None) -> None:
         """Get a fresh auth token (no-op without credentials, or if another thread already
@@ -252,14 +358,18 @@ class Connection:
 
     # -- calls ---------------------------------------------------------------------------
     def deadline(self, timeout: float | None = None) -> float:
-        return time.monotonic() + (self._config.request_timeout if timeout is None else timeout)
+        """The deadline (on the connection's clock) ``timeout`` seconds from now; default
+        ``request_timeout``."""
+        return self._clock.monotonic() + (
+            self._config.request_timeout if timeout is None else timeout)
 
     def call(self, method: str, request: Any, *, deadline: float, retry: str = IDEMPOTENT,
              authenticated: bool = True) -> Any:
         """Send one unary RPC (``range``, ``txn``, ``put``, ``delete_range``, ``status``,
         ``authenticate``, ``lease_grant``, ``lease_revoke``...) and return its response.
 
-        Blocks until the response or ``deadline`` (a ``time.monotonic()`` value). Transport
+        Blocks until the response or ``deadline`` (a value of the connection's clock, as
+        :meth:`deadline` returns). Transport
         failures move to the next endpoint and retry after a jittered back-off: always for
         ``IDEMPOTENT`` calls, and for ``UNSENT_ONLY`` calls only while the failure shows the
         request never reached etcd. Raises EtcdConnectionError (outcome unknown for
@@ -270,20 +380,37 @@ class Connection:
         reauthenticated = False
         tls_failures = 0
         n_endpoints = len(self._endpoints)
+        mismatch: ClusterMismatchError | None = None
         while True:
             index, ep = self.endpoint()
-            remaining = deadline - time.monotonic()
+            if ep.foreign is not None:  # every endpoint left is another cluster's
+                raise mismatch or ClusterMismatchError(
+                    f"etcd {method}: every reachable endpoint is a member of another "
+                    f"cluster than the store's ({', '.join(self.foreign_endpoints)})")
+            remaining = deadline - self._clock.monotonic()
             if remaining <= 0:
-                raise EtcdConnectionError(
+                raise _with_mismatch(EtcdConnectionError(
                     f"etcd {method}: no answer from {', '.join(self.targets)} within the "
-                    f"request timeout")
+                    f"request timeout"), mismatch, self.foreign_endpoints)
             # With several endpoints, one black-holed member must not eat the whole budget.
             per_attempt = remaining if n_endpoints == 1 else max(
                 min(remaining, 1.0), remaining / 2)
             token = self._token if authenticated else None
-            metadata = (("token", token),) if token else None
+            metadata = _metadata(token)
             started = time.perf_counter()
             try:
+                if not ep.checked:
+                    # Never send a request to a member before it is known to be ours.
+                    status = ep.maintenance.Status(etcdrpc.StatusRequest(),
+                                                   timeout=per_attempt, metadata=metadata)
+                    try:
+                        self.check_cluster(index, status.header)
+                    except ClusterMismatchError as exc:
+                        mismatch = exc
+                        continue
+                    if method == "status":
+                        self._metrics.rpc(method, "ok", time.perf_counter() - started)
+                        return status
                 response = _rpc(ep, method)(request, timeout=per_attempt, metadata=metadata)
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
@@ -311,20 +438,24 @@ class Connection:
                     if retry == IDEMPOTENT or unsent:
                         delay = backoff.delay(attempt)
                         attempt += 1
-                        if time.monotonic() + delay < deadline:
-                            time.sleep(delay)
+                        if self._clock.monotonic() + delay < deadline:
+                            self._clock.sleep(delay)
                             continue
                     error = translate_rpc_error(exc, method)
                     if retry != IDEMPOTENT and not unsent and not isinstance(error, TLSError):
                         error = EtcdConnectionError(
                             f"{error}; the request may or may not have been applied")
-                    raise error from exc
+                    raise _with_mismatch(error, mismatch, self.foreign_endpoints) from exc
                 raise translate_rpc_error(exc, method) from exc
             except ValueError as exc:  # grpc raises it for a channel closed under us
                 if self._closed:
                     raise StoreClosedError("the store is closed") from None
                 raise EtcdError(f"etcd {method}: {exc}") from exc
             self._metrics.rpc(method, "ok", time.perf_counter() - started)
+            if response.header.cluster_id != self._cluster_id:
+                # The member behind a checked endpoint was replaced by another cluster's
+                # (same address, new data): the answer cannot be used.
+                self.check_cluster(index, response.header)
             return response
 
     def close(self) -> None:
@@ -340,6 +471,18 @@ class Connection:
     @property
     def closed(self) -> bool:
         return self._closed
+
+
+def _with_mismatch(error: CachedStoreError, mismatch: ClusterMismatchError | None,
+                   foreign: list[str]) -> CachedStoreError:
+    """``error``, as a ClusterMismatchError naming the refused members when the call met a
+    member of another cluster or some endpoints are known to be other clusters' (which is
+    why they were not tried)."""
+    if not isinstance(error, EtcdConnectionError) or (mismatch is None and not foreign):
+        return error
+    verb = "is a member" if len(foreign) == 1 else "are members"
+    why = mismatch or f"{', '.join(foreign)} {verb} of another cluster and not used"
+    return ClusterMismatchError(f"{error}; and {why}")
 
 
 _METHODS: dict[str, tuple[str, str]] = {

@@ -8,7 +8,8 @@ caller would naturally catch, so both ``except cachedstore.CachedStoreError`` an
     ├── KeyNotFoundError          (KeyError)          get() of an absent key, no default
     ├── StoreTimeoutError         (TimeoutError)      a blocking get()/wait() ran out of time
     ├── EtcdConnectionError       (ConnectionError)   etcd unreachable, or the outcome unknown
-    │   └── TLSError                                  the TLS handshake with etcd failed
+    │   ├── TLSError                                  the TLS handshake with etcd failed
+    │   └── ClusterMismatchError                      an endpoint belongs to another cluster
     ├── EtcdPermissionError       (PermissionError)   etcd RBAC denied the request
     │   └── AuthenticationError                       wrong user name or password
     ├── InvalidInputError         (ValueError)        empty name, value over etcd's limit, ...
@@ -28,6 +29,7 @@ from __future__ import annotations
 __all__ = [
     "AuthenticationError",
     "CachedStoreError",
+    "ClusterMismatchError",
     "EtcdConnectionError",
     "EtcdError",
     "EtcdPermissionError",
@@ -72,6 +74,12 @@ class EtcdConnectionError(CachedStoreError, ConnectionError):
 
 class TLSError(EtcdConnectionError):
     """The TLS handshake failed: an untrusted server certificate or a rejected client one."""
+
+
+class ClusterMismatchError(EtcdConnectionError):
+    """An endpoint answered as a member of another etcd cluster than the one the store
+    first reached (a different ``cluster_id`` in its response headers). It is never used:
+    serving or resuming a watch from another cluster's revisions would mix two histories."""
 
 
 class EtcdPermissionError(CachedStoreError, PermissionError):

@@ -15,6 +15,13 @@ dies silently and cannot resume). It covers the store's whole prefix and:
   that has not answered any progress request (etcd's grpc-proxy ignores them) is first
   probed with a unary range on the same channel; only if that fails too is it stalled
   (detected within ``stall_timeout + 2 * progress_interval``);
+- with credentials, re-checks every ``auth_check_interval`` (and after a token renewal)
+  that they still grant reading the prefix, since etcd never re-checks an open watch: a
+  deleted user or a revoked role ends the stream (restart reason ``auth``) within that
+  interval plus one request;
+- opens streams only on members checked to belong to the store's cluster, and sends
+  etcd's require-leader flag, so that a member cut off from its peers ends the stream
+  (after about three election timeouts) instead of answering from its frozen state;
 - stops the cache from being served (``cache.watch_down()``) from the moment any of this
   goes wrong until the stream is healthy again, and counts every restart by reason.
 
@@ -25,9 +32,7 @@ The thread never dies silently: every exception is caught, logged, counted as a 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,9 +40,10 @@ import grpc
 from etcd3 import etcdrpc
 
 from .cache import CoherentCache
+from .clock import SYSTEM_CLOCK, Clock
 from .config import StoreConfig
 from .connection import Connection
-from .errors import CachedStoreError, StoreClosedError
+from .errors import CachedStoreError, EtcdPermissionError, StoreClosedError
 from .keys import KeySpace
 from .metrics import NullMetrics, StoreMetrics
 
@@ -100,8 +106,12 @@ class Watcher:
     ``ready``, ``last_contact``, ``last_error``."""
 
     def __init__(self, conn: Connection, keyspace: KeySpace, cache: CoherentCache,
-                 config: StoreConfig, metrics: StoreMetrics | NullMetrics, name: str) -> None:
+                 config: StoreConfig, metrics: StoreMetrics | NullMetrics, name: str,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         self._conn = conn
+        #: Every timer of the watch (progress, stall, access checks, back-off) reads it;
+        #: gRPC's own timeouts (the liveness probe) are real seconds.
+        self._clock = clock
         self._keyspace = keyspace
         self._cache = cache
         self._config = config
@@ -115,10 +125,11 @@ class Watcher:
         self.ready = threading.Event()
         #: True while the stream is healthy and the cache may be served.
         self.up = False
-        #: ``time.monotonic()`` of the last message from etcd that found the cache caught
-        #: up (the reference of ``max_staleness``). Reconnect attempts do not move it.
+        #: The clock's time of the last message from etcd that found the cache caught
+        #: up (the reference of ``max_staleness``). Reconnect attempts do not move it; a
+        #: denied access check sets it to -inf (nothing stale is served to a revoked user).
         self.last_contact = 0.0
-        #: ``time.monotonic()`` of the current stream's start or last message (stall watchdog).
+        #: The clock's time of the current stream's start or last message (stall watchdog).
         self._stream_contact = 0.0
         #: Whether the current stream has answered a progress request (grpc-proxy never does).
         self._progress_answered = False
@@ -170,6 +181,8 @@ class Watcher:
             except CachedStoreError as exc:  # resync could not reach etcd, auth failed...
                 self.last_error = exc
                 reason = "auth" if isinstance(exc, PermissionError) else "disconnect"
+                if isinstance(exc, PermissionError):
+                    self._revoked()
             except Exception as exc:  # never die silently
                 self.last_error = exc
                 log.exception("cachedstore watch: unexpected error; restarting the stream")
@@ -188,7 +201,7 @@ class Watcher:
                 self._needs_resync = True
             # A stream that got as far as being created starts the back-off over.
             attempt = 0 if self._stream_was_healthy else attempt + 1
-            self._stopping.wait(self._config.backoff.delay(attempt))
+            self._clock.wait(self._stopping, self._config.backoff.delay(attempt))
         self._set_down()
 
     def _resync(self) -> None:
@@ -202,42 +215,70 @@ class Watcher:
 
     def _stream_once(self) -> str:
         """Run one watch stream until it ends; return why it ended (a restart reason)."""
-        index, endpoint = self._conn.endpoint()
-        requests: queue.Queue[Any] = queue.Queue()
+        # A member of another cluster is never watched: its revisions are not ours.
+        index, endpoint = self._conn.checked_endpoint(self._conn.deadline())
+        ended = threading.Event()  # set when this stream is over: the request side ends
+        clock = self._clock
         stalled = threading.Event()
+        denied = threading.Event()
         create = etcdrpc.WatchRequest(create_request=etcdrpc.WatchCreateRequest(
             key=self._keyspace.range_start, range_end=self._keyspace.range_end,
             start_revision=self._revision + 1))
         progress = etcdrpc.WatchRequest(progress_request=etcdrpc.WatchProgressRequest())
         interval = self._config.progress_interval
         stall_timeout = self._config.stall_timeout
+        auth_interval = self._config.auth_check_interval if self._conn.has_identity else None
 
         def request_stream() -> Iterator[Any]:
-            # Runs on gRPC's request-consumer thread; doubles as the stall watchdog.
+            # Runs on gRPC's request-consumer thread; doubles as the stall watchdog and,
+            # with credentials, as the access re-check (which never delays the watchdog:
+            # it runs after a progress tick, within the time left until the next one).
             yield create
+            next_progress = clock.monotonic() + interval
+            next_auth = clock.monotonic() + auth_interval if auth_interval else None
+            checked_token = self._conn.token
             while True:
-                try:
-                    item = requests.get(timeout=interval)
-                except queue.Empty:
+                now = clock.monotonic()
+                wait = next_progress - now
+                if next_auth is not None:
+                    wait = min(wait, next_auth - now)
+                if not clock.wait(ended, max(0.0, wait)):
                     if self._stopping.is_set():
                         return
-                    if time.monotonic() - self._stream_contact > stall_timeout:
-                        if not self._progress_answered and self._probe(endpoint, interval):
-                            # Quiet, not stalled: this endpoint ignores progress requests
-                            # (etcd's grpc-proxy) but answers on the same channel.
-                            self._stream_contact = time.monotonic()
-                            continue
-                        stalled.set()
-                        self._cache.watch_down()  # stop serving now, not after the cancel
+                    now = clock.monotonic()
+                    if now >= next_progress:
+                        next_progress = now + interval
+                        if now - self._stream_contact > stall_timeout:
+                            if not self._progress_answered and self._probe(endpoint,
+                                                                           interval):
+                                # Quiet, not stalled: this endpoint ignores progress
+                                # requests (etcd's grpc-proxy) but answers on the channel.
+                                self._stream_contact = clock.monotonic()
+                                continue
+                            stalled.set()
+                            self._cache.watch_down()  # stop serving now, not after cancel
+                            call.cancel()
+                            return
+                        yield progress
+                    if next_auth is None or auth_interval is None:
+                        continue
+                    token = self._conn.token
+                    if clock.monotonic() < next_auth and token == checked_token:
+                        continue
+                    budget = max(0.05, next_progress - clock.monotonic())
+                    granted = self._access_granted(budget)
+                    if granted is False:
+                        denied.set()
+                        self._revoked()
                         call.cancel()
                         return
-                    yield progress
+                    if granted:  # None (no answer in time): ask again at the next wake-up
+                        checked_token = self._conn.token  # renewed by the check, if at all
+                        next_auth = clock.monotonic() + auth_interval
                     continue
-                if item is None:
-                    return
-                yield item
+                return  # the stream is over
 
-        self._stream_contact = time.monotonic()
+        self._stream_contact = clock.monotonic()
         self._progress_answered = False
         call = endpoint.watch.Watch(request_stream(), metadata=self._conn.metadata())
         self._call = call
@@ -245,8 +286,8 @@ class Watcher:
             call.cancel()
         try:
             for response in call:
-                self._stream_contact = time.monotonic()
-                reason = self._handle(response)
+                self._stream_contact = clock.monotonic()
+                reason = self._handle(response, index)
                 if reason is not None:
                     return reason
                 if self._cache.floor == 0:  # caught up: the cache is confirmed current
@@ -260,6 +301,8 @@ class Watcher:
             if stalled.is_set():
                 self._conn.failover(index)
                 return "stalled"
+            if denied.is_set():
+                return "auth"
             code = exc.code() if hasattr(exc, "code") else None
             details = ((exc.details() if hasattr(exc, "details") else "") or "").lower()
             if code is grpc.StatusCode.UNAUTHENTICATED or "auth token" in details:
@@ -273,9 +316,32 @@ class Watcher:
                 return "canceled"
             return "error"
         finally:
-            requests.put(None)
+            ended.set()
             call.cancel()
             self._call = None
+
+    def _revoked(self) -> None:
+        """etcd denied the store's credentials: stop serving now, and nothing under
+        ``max_staleness`` either (what the cache holds is no longer theirs to read) until
+        a stream is healthy again."""
+        self.last_contact = float("-inf")
+        self._cache.watch_down()
+
+    def _access_granted(self, timeout: float) -> bool | None:
+        """Whether the store's credentials still let it read its prefix: one count-only
+        range with the current token (renewed if expired), given ``timeout`` seconds.
+        False when etcd denies it (the error is kept in ``last_error``); None when there
+        was no answer (a transport failure is the stall watchdog's business)."""
+        try:
+            current_revision(self._conn, self._keyspace, self._conn.deadline(timeout))
+        except EtcdPermissionError as exc:  # AuthenticationError included
+            self.last_error = exc
+            log.warning("cachedstore watch: access to the prefix was revoked (%s); the "
+                        "cache is not served until it is granted again", exc)
+            return False
+        except CachedStoreError:
+            return None
+        return True
 
     def _probe(self, endpoint: Any, timeout: float) -> bool:
         """Liveness of a stream that never answered a progress request: one count-only
@@ -288,8 +354,10 @@ class Watcher:
             return False
         return True
 
-    def _handle(self, response: Any) -> str | None:
-        """Apply one watch response; return a restart reason if the stream must end."""
+    def _handle(self, response: Any, index: int) -> str | None:
+        """Apply one watch response from endpoint ``index``; return a restart reason if
+        the stream must end. Raises ClusterMismatchError for a stream created on a member
+        of another cluster (its member was replaced since it was checked)."""
         if response.canceled:
             if response.compact_revision:
                 self.last_error = CachedStoreError(
@@ -298,11 +366,14 @@ class Watcher:
                 return "compacted"
             reason = response.cancel_reason or "watch canceled by etcd"
             self.last_error = CachedStoreError(reason)
+            if "permission denied" in reason.lower():
+                self._revoked()
             if any(m in reason.lower() for m in _AUTH_MARKERS):
                 self._conn.authenticate(self._conn.deadline(), stale_token=_token(self._conn))
                 return "auth"
             return "canceled"
         if response.created:
+            self._conn.check_cluster(index, response.header)
             self._stream_was_healthy = True
             self._set_up(response.header.revision)
             self._metrics.watch_revision.set(response.header.revision)
@@ -335,5 +406,4 @@ class Watcher:
 
 
 def _token(conn: Connection) -> str | None:
-    metadata = conn.metadata()
-    return metadata[0][1] if metadata else None
+    return conn.token

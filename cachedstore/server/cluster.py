@@ -7,12 +7,12 @@ import http.client
 import subprocess
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from .base import START_ATTEMPTS, Startable
 from .binaries import EtcdStartError, run_etcdctl
 from .member import LocalEtcd
-from .process import DEFAULT_HOST
+from .process import DEFAULT_HOST, hostport
 from .tls import TLSFiles
 
 
@@ -22,6 +22,12 @@ class LocalEtcdCluster(Startable):
     Each member is a :class:`LocalEtcd` (``members[i]``) that can be killed, restarted,
     stopped, paused and resumed on its own. :meth:`start` launches all members at once and
     blocks until every one is healthy (which needs an elected leader).
+
+    ``peer_proxy``, if given, is called as ``peer_proxy(member_name, "host:peer_port")``
+    for every member before each launch (again after a port clash) and returns the
+    ``host:port`` its peers must use instead: a proxy forwarding to that peer port. Every
+    peer link then runs through proxies the caller controls (to partition one member from
+    its peers while its client port stays reachable); the caller owns and closes them.
     """
 
     def __init__(
@@ -37,12 +43,14 @@ class LocalEtcdCluster(Startable):
         log_level: str = "error",
         startup_timeout: float = 30.0,
         env: Mapping[str, str] | None = None,
+        peer_proxy: Callable[[str, str], str] | None = None,
     ) -> None:
         if size < 1:
             raise ValueError("a cluster needs at least one member")
         self.host = host
         self.startup_timeout = startup_timeout
         self.tls = tls
+        self._peer_proxy = peer_proxy
         token = f"cachedstore-{uuid.uuid4().hex[:12]}"
         self.members: list[LocalEtcd] = [
             LocalEtcd(
@@ -63,7 +71,10 @@ class LocalEtcdCluster(Startable):
         self._closed = False
 
     def _set_initial_cluster(self) -> None:
-        cluster = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+        if self._peer_proxy is not None:
+            for m in self.members:
+                m.advertised_peer = self._peer_proxy(m.name, hostport(m.host, m.peer_port))
+        cluster = ",".join(f"{m.name}={m.advertised_peer_url}" for m in self.members)
         for member in self.members:
             member.initial_cluster = cluster
 

@@ -81,6 +81,9 @@ class LocalEtcd(ServerProcess):
         self.client_port = client_port or free_port(host)
         self.peer_port = peer_port or free_port(host)
         self._data_dir = self._tmp_root / "data" if data_dir is None else Path(data_dir)
+        #: ``host:port`` peers are told to use instead of the peer port this member listens
+        #: on (a proxy forwarding to it); ``None``: the peer port itself.
+        self.advertised_peer: str | None = None
 
     # ---- addresses
 
@@ -103,6 +106,14 @@ class LocalEtcd(ServerProcess):
         return f"http://{hostport(self.host, self.peer_port)}"
 
     @property
+    def advertised_peer_url(self) -> str:
+        """The peer URL in ``--initial-advertise-peer-urls`` and ``--initial-cluster``: the
+        listening one unless :attr:`advertised_peer` names a proxy in front of it."""
+        if self.advertised_peer is None:
+            return self.peer_url
+        return f"http://{self.advertised_peer}"
+
+    @property
     def data_dir(self) -> Path:
         return self._data_dir
 
@@ -118,7 +129,7 @@ class LocalEtcd(ServerProcess):
 
     def command(self) -> list[str]:
         """The etcd command line used by :meth:`start`."""
-        cluster = self.initial_cluster or f"{self.name}={self.peer_url}"
+        cluster = self.initial_cluster or f"{self.name}={self.advertised_peer_url}"
         cmd = [
             self.binary,
             f"--name={self.name}",
@@ -126,7 +137,7 @@ class LocalEtcd(ServerProcess):
             f"--listen-client-urls={self.client_url}",
             f"--advertise-client-urls={self.client_url}",
             f"--listen-peer-urls={self.peer_url}",
-            f"--initial-advertise-peer-urls={self.peer_url}",
+            f"--initial-advertise-peer-urls={self.advertised_peer_url}",
             f"--initial-cluster={cluster}",
             f"--initial-cluster-token={self.initial_cluster_token}",
             "--initial-cluster-state=new",

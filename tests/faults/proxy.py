@@ -10,6 +10,12 @@ upstream ``host:port``. Faults:
   nothing is closed; bytes wait in the kernel's buffers, new connections wait in the listen
   backlog. The client sees a connection that is up and quiet.
 - :meth:`FaultProxy.heal` — forward again (held bytes flow, waiting connections are served).
+- ``delay=`` — a slow link: every byte is held ``delay`` seconds in each direction
+  (one-way latency; the round trip costs ``2 × delay``), in order.
+- :meth:`FaultProxy.block_origin` — for etcd peer links: drop (RST) every connection whose
+  HTTP requests carry ``X-Server-From: <member id>`` (etcd's rafthttp sets it on every
+  stream and pipeline request), now and later. Proxies in front of each member's peer port
+  can so cut one member off from its peers, in both directions, and from nobody else.
 
 One named daemon thread (``faultproxy-<port>``) does all the I/O with ``poll``; public
 methods hand it a command and wait for it to be carried out (at most 5 s), so after
@@ -21,11 +27,13 @@ Bounded: the thread stops by itself after ``max_lifetime`` seconds, and :meth:`c
 from __future__ import annotations
 
 import queue
+import re
 import select
 import socket
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -35,6 +43,10 @@ __all__ = ["FaultProxy"]
 _BUFFER_LIMIT = 1 << 20
 _CHUNK = 1 << 16
 _POLL_MS = 100
+#: etcd's rafthttp names the sending member in every peer request.
+_ORIGIN = re.compile(rb"X-Server-From: ([0-9a-fA-F]+)\r\n")
+#: How many bytes of a connection are searched for its origin.
+_SNIFF_LIMIT = 16 << 10
 
 
 def _rst_close(sock: socket.socket) -> None:
@@ -57,6 +69,12 @@ class _Pair:
     upstream: socket.socket
     to_upstream: bytearray = field(default_factory=bytearray)
     to_client: bytearray = field(default_factory=bytearray)
+    #: Bytes received but held back by ``delay``: (due time, bytes), oldest first.
+    held_up: deque[tuple[float, bytes]] = field(default_factory=deque)
+    held_down: deque[tuple[float, bytes]] = field(default_factory=deque)
+    #: The first bytes the client sent (searched for the origin), and the origin found.
+    head: bytearray = field(default_factory=bytearray)
+    origin: str | None = None
 
     def close(self, rst: bool) -> None:
         for sock in (self.client, self.upstream):
@@ -77,11 +95,13 @@ class FaultProxy:
     """
 
     def __init__(self, upstream: str, *, host: str = "127.0.0.1",
-                 max_lifetime: float = 300.0) -> None:
+                 max_lifetime: float = 300.0, delay: float = 0.0) -> None:
         up_host, _, up_port = upstream.rpartition(":")
         self._upstream = (up_host.strip("[]"), int(up_port))
         self._host = host
         self._max_lifetime = max_lifetime
+        self._delay = delay
+        self._blocked_origins: set[str] = set()
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind((host, 0))
@@ -144,12 +164,29 @@ class FaultProxy:
 
         self._do(command)
 
+    def block_origin(self, member_id: str) -> int:
+        """RST every connection whose requests say ``X-Server-From: member_id`` (hex, as
+        etcd prints member ids), and every such connection later, until :meth:`heal`.
+        Returns how many open connections were dropped. Blocks until done (≤ 5 s)."""
+        origin = member_id.lower()
+
+        def command() -> int:
+            self._blocked_origins.add(origin)
+            dropped = [p for p in self._pairs if p.origin == origin]
+            for pair in dropped:
+                self._drop(pair, rst=True)
+            self.resets += len(dropped)
+            return len(dropped)
+
+        return int(self._do(command))  # type: ignore[call-overload]
+
     def heal(self) -> None:
         """Forward again and accept new connections. Blocks until done."""
 
         def command() -> None:
             self._stalled = False
             self._refusing = False
+            self._blocked_origins.clear()
 
         self._do(command)
 
@@ -215,7 +252,21 @@ class FaultProxy:
                 break
             done.set()
 
+    def _release_held(self) -> int:
+        """Move held bytes that are due into the send buffers; the ms until the next is due."""
+        now = time.monotonic()
+        next_due = _POLL_MS
+        for pair in self._pairs:
+            for held, buffer in ((pair.held_up, pair.to_upstream),
+                                 (pair.held_down, pair.to_client)):
+                while held and held[0][0] <= now:
+                    buffer += held.popleft()[1]
+                if held:
+                    next_due = min(next_due, max(1, int((held[0][0] - now) * 1000) + 1))
+        return next_due
+
     def _poll_once(self) -> None:
+        timeout_ms = _POLL_MS if self._stalled or not self._delay else self._release_held()
         poller = select.poll()
         by_fd: dict[int, tuple[_Pair, str]] = {}
         poller.register(self._wake_r, select.POLLIN)
@@ -226,14 +277,15 @@ class FaultProxy:
                         ("c", pair.client, pair.to_upstream, pair.to_client),
                         ("u", pair.upstream, pair.to_client, pair.to_upstream)):
                     mask = 0
-                    if len(inbound) < _BUFFER_LIMIT:
+                    held = pair.held_up if side == "c" else pair.held_down
+                    if len(inbound) + sum(len(b) for _, b in held) < _BUFFER_LIMIT:
                         mask |= select.POLLIN
                     if outbound:
                         mask |= select.POLLOUT
                     if mask:
                         poller.register(sock, mask)
                         by_fd[sock.fileno()] = (pair, side)
-        for fd, events in poller.poll(_POLL_MS):
+        for fd, events in poller.poll(timeout_ms):
             if fd == self._wake_r.fileno():
                 self._drain_wake()
                 self._run_commands()
@@ -294,15 +346,30 @@ class FaultProxy:
                 del outbound[:sent]
             if events & (select.POLLIN | select.POLLHUP | select.POLLERR):
                 data = sock.recv(_CHUNK)
+                held = pair.held_up if side == "c" else pair.held_down
                 if not data:  # orderly close by one side: flush, then close the other side
                     other = pair.upstream if side == "c" else pair.client
+                    while held:
+                        inbound += held.popleft()[1]
                     try:
                         other.send(inbound)
                     except OSError:
                         pass
                     self._drop(pair, rst=False)
                     return
-                inbound += data
+                if side == "c" and pair.origin is None and len(pair.head) < _SNIFF_LIMIT:
+                    pair.head += data
+                    found = _ORIGIN.search(pair.head)
+                    if found:
+                        pair.origin = found.group(1).decode().lower()
+                        if pair.origin in self._blocked_origins:
+                            self.resets += 1
+                            self._drop(pair, rst=True)
+                            return
+                if self._delay:
+                    held.append((time.monotonic() + self._delay, data))
+                else:
+                    inbound += data
         except (BlockingIOError, InterruptedError):
             return
         except OSError:  # reset by one side: pass the reset on

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import socketserver
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -108,3 +109,43 @@ def test_close_and_lifetime_stop_the_thread(echo: str) -> None:
     with pytest.raises(RuntimeError):
         short.stall()
     short.close()
+
+
+def test_delay_holds_each_direction_in_order(echo: str) -> None:
+    delay = 0.1
+    with FaultProxy(echo, delay=delay, max_lifetime=20) as proxy, \
+            socket.create_connection(split(proxy.endpoint), timeout=5) as sock:
+        started = time.monotonic()
+        sock.sendall(b"one")
+        sock.sendall(b"two")
+        received = b""
+        while len(received) < 6:
+            received += sock.recv(64)
+        took = time.monotonic() - started
+    assert received == b"onetwo"
+    assert 2 * delay <= took < 2 * delay + 1.0  # there and back, each held `delay`
+
+
+def test_block_origin_drops_only_that_members_connections(echo: str) -> None:
+    def request(member: str) -> bytes:
+        return (f"GET /raft/stream/message/1 HTTP/1.1\r\nHost: x\r\n"
+                f"X-Server-From: {member}\r\n\r\n").encode()
+
+    with FaultProxy(echo, max_lifetime=20) as proxy, \
+            socket.create_connection(split(proxy.endpoint), timeout=5) as a, \
+            socket.create_connection(split(proxy.endpoint), timeout=5) as b:
+        for sock, member in ((a, "aa01"), (b, "bb02")):
+            sock.sendall(request(member))
+            assert sock.recv(4096).startswith(b"GET")  # classified and forwarded
+        assert proxy.block_origin("AA01") == 1
+        b.sendall(b"still here")
+        assert b.recv(64) == b"still here"
+        with pytest.raises(OSError):  # reset
+            a.sendall(b"x")
+            if not a.recv(64):
+                raise ConnectionResetError
+        with socket.create_connection(split(proxy.endpoint), timeout=5) as again:
+            again.sendall(request("aa01"))  # a new connection from the blocked member
+            with pytest.raises(OSError):
+                if not again.recv(64):
+                    raise ConnectionResetError
