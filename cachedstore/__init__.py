@@ -13,6 +13,7 @@ from .config import Backoff, StoreConfig
 from .errors import (
     AuthenticationError,
     CachedStoreError,
+    ClusterMismatchError,
     EtcdConnectionError,
     EtcdError,
     EtcdPermissionError,
@@ -37,6 +38,7 @@ __all__ = [
     "AuthenticationError",
     "Backoff",
     "CachedStoreError",
+    "ClusterMismatchError",
     "EtcdConnectionError",
     "EtcdError",
     "EtcdPermissionError",

@@ -159,7 +159,8 @@ class EtcdStore:
         else:
             targets = [(host, int(port))]
         self._conn = Connection(targets, Credentials(ca_cert, cert_key, cert_cert, user,
-                                                     password), cfg, self.metrics)
+                                                     password), cfg, self.metrics,
+                                clock=clock)
         self._id = next(_store_ids)
         self._reads = ReadThrough(self._conn, self._keys, self._cache, cfg, self.metrics,
                                   clock, self._check_open, self._stale_allowed)
@@ -192,9 +193,10 @@ class EtcdStore:
         revision, entries = snapshot(self._conn, self._keys, self._preload_limit(), deadline)
         self._cache.reset(revision, entries)
         self._watcher = Watcher(self._conn, self._keys, self._cache, cfg, self.metrics,
-                                name=f"cachedstore-watch-{self._id}")
+                                name=f"cachedstore-watch-{self._id}", clock=self._clock)
         self._watcher.start(revision)
-        if not self._watcher.ready.wait(max(0.0, deadline - time.monotonic())):
+        if not self._clock.wait(self._watcher.ready,
+                                max(0.0, deadline - self._clock.monotonic())):
             cause = self._watcher.last_error
             if isinstance(cause, CachedStoreError):
                 raise cause
