@@ -1,8 +1,12 @@
 """The etcd v3 request vocabulary: every request cachedstore sends is built here.
 
-The store, the watcher, the rendezvous backend, the CLI and the demo's uncached client build
-their requests with these functions instead of assembling ``etcdrpc`` messages themselves, so
-that a compare, a range or a watch means the same thing everywhere.
+The store (reads, writes, queues), the rendezvous backend (through the store's CAS/lease
+API), the CLI and the plain client (:mod:`cachedstore.client`, the demo's uncached
+contender) build their requests with these functions instead of assembling ``etcdrpc``
+messages themselves, so that a compare, a range or a watch means the same thing everywhere.
+``tests/test_etcdapi.py`` keeps it so. Two modules still build their own: ``connection.py``
+(the gRPC stubs and the auth request) and ``watcher.py`` (its snapshot ranges, watch create,
+progress request and probe; the builders here are ready for it).
 
 Keys and values are ``bytes`` (whole etcd keys: the caller applies its prefix).
 """
@@ -26,6 +30,7 @@ __all__ = [
     "put",
     "range_key",
     "range_prefix",
+    "status",
     "txn",
     "unmodified",
     "value_equals",
@@ -106,6 +111,12 @@ def lease_grant(ttl_seconds: int) -> Any:
 
 def lease_revoke(lease_id: int) -> Any:
     return etcdrpc.LeaseRevokeRequest(ID=lease_id)
+
+
+# -- maintenance ------------------------------------------------------------------------
+def status() -> Any:
+    """A Maintenance ``StatusRequest`` (version, db size, leader, raft term of a member)."""
+    return etcdrpc.StatusRequest()
 
 
 # -- watch ------------------------------------------------------------------------------
