@@ -38,14 +38,16 @@ Modes (:class:`CheckerConfig`), each also a CI test in ``test_checker.py``:
   a reader or writer after etcd answered it and before the cache hears of it;
 - ``compact_every_fault``: every cut and stall has a compaction in its middle, so the
   store's watch resumes below the compacted revision and resyncs;
+- ``reread``: each operation's key is read back at once, so that a wrong entry it left in
+  the cache is read before a newer event replaces it;
 - ``sabotage``: revert one fix of the coherence core in the workers, to show the checker
   finds the violations it lets through.
 
 By hand, from the ``tests`` directory::
 
     python -m faults.checker --seed 7 --processes 4 --duration 120
-    python -m faults.checker --seed 7 --duration 60 --cache-size 3 --apply-delay 0.02 \\
-        --compact-every-fault
+    python -m faults.checker --seed 7 --duration 60 --cache-size 2 --apply-delay 0.02 \\
+        --compact-every-fault --reread
 """
 
 from __future__ import annotations
@@ -112,6 +114,9 @@ class CheckerConfig:
     #: Compaction resyncs: compact etcd in the middle of *every* cut and stall, so that the
     #: store's watch resumes below the compacted revision and must resync (rule 4).
     compact_every_fault: bool = False
+    #: Read back at once the key each operation read or wrote (one more ``get``), so that a
+    #: wrong entry the operation left in the cache is read before a newer event replaces it.
+    reread: bool = False
     #: Revert one fix in the worker processes, to show that the checker catches it:
     #: ``"no-marks"`` (eviction keeps no high-water mark), ``"no-gate"`` (fills and writes
     #: in flight are never refused). Never set in a run meant to pass.
@@ -186,17 +191,23 @@ def _worker(index: int, endpoint: str, prefix: str, config: dict[str, Any], out_
     seen: dict[str, str | None] = {}
     seq = 0
     ops = ["get"] * 8 + ["mget"] * 2 + ["set"] * 3 + ["delete"] + ["cas"] * 3 + ["add"] * 3
+    reread: str | None = None
     try:
         time.sleep(max(0.0, start_at - time.monotonic()))
         while time.monotonic() < writes_until:
-            op = rng.choice(ops)
-            key = rng.choice(names)
+            again = reread is not None
+            if reread is not None:  # read back what the last operation left in the cache
+                op, key, reread = "get", reread, None
+            else:
+                op = rng.choice(ops)
+                key = rng.choice(names)
+                if op == "get":
+                    key = rng.choice(names + [COUNTER])
             applied = store.watch_revision
             started = time.monotonic()
             arg: Any = None
             try:
                 if op == "get":
-                    key = rng.choice(names + [COUNTER])
                     value = store.get(key, None)
                     result: Any = _text(value)
                     seen[key] = result
@@ -243,6 +254,8 @@ def _worker(index: int, endpoint: str, prefix: str, config: dict[str, Any], out_
                 result = "".join(traceback.format_exception(exc))[-500:]
             history.append([op, key, arg, outcome, result, started, time.monotonic(), "run",
                             applied])
+            if cfg.reread and outcome == "ok" and not again:
+                reread = key
         while time.monotonic() < settle_until:
             applied = store.watch_revision
             started = time.monotonic()
@@ -773,11 +786,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=120.0)
     parser.add_argument("--keys", type=int, default=5)
     parser.add_argument("--cache-size", type=int, default=0,
-                        help="each store's cache_size (0: the default; try 3 with 5 keys)")
+                        help="each store's cache_size (0: the default; try 2 with 5 keys)")
     parser.add_argument("--apply-delay", type=float, default=0.0, metavar="SECONDS",
                         help="delay watch applies and etcd answers up to this long")
     parser.add_argument("--compact-every-fault", action="store_true",
                         help="compact etcd in the middle of every cut and stall")
+    parser.add_argument("--reread", action="store_true",
+                        help="read back at once the key each operation touched")
     parser.add_argument("--sabotage", choices=["no-marks", "no-gate"], default="",
                         help="revert a coherence fix in the workers (the run should fail)")
     parser.add_argument("--save", metavar="FILE", help="write the whole report as JSON")
@@ -786,7 +801,7 @@ def main(argv: list[str] | None = None) -> int:
                            keys=args.keys, cache_size=args.cache_size,
                            apply_delay=args.apply_delay,
                            compact_every_fault=args.compact_every_fault,
-                           sabotage=args.sabotage)
+                           reread=args.reread, sabotage=args.sabotage)
     started = time.monotonic()
     with LocalEtcd() as server, tempfile.TemporaryDirectory() as workdir:
         report = run(config, server.endpoint, workdir)
