@@ -633,9 +633,9 @@ def check(report: Report) -> list[str]:
                 continue
             value = arg if op == "set" else arg[1] if op == "cas" and result == arg[1] \
                 else str(result) if op == "add" else None
-            revision = timelines[key].last_revision(value) if value is not None else None
-            if revision is not None:
-                writes.append((started, revision, ended))
+            written = timelines[key].last_revision(value) if value is not None else None
+            if written is not None:
+                writes.append((started, written, ended))
     writes.sort()
     write_starts = [w[0] for w in writes]
     later_min = list(itertools.accumulate((w[1] for w in reversed(writes)), min))[::-1]
@@ -695,15 +695,15 @@ def check(report: Report) -> list[str]:
                 state, exact = str(result), True
             floor = position[key]
             if exact:
-                revision = tl.last_revision(state)  # type: ignore[arg-type]
-                if revision is None:
+                at = tl.last_revision(state) if state is not None else None
+                if at is None:
                     v.append(f"{where}: acknowledged write {state!r} is not in etcd's history")
                     continue
-                if revision < floor:
-                    v.append(f"{where}: write {state!r} at revision {revision} after "
+                if at < floor:
+                    v.append(f"{where}: write {state!r} at revision {at} after "
                              f"having observed revision {floor} (read-your-writes/monotonic)")
                     continue
-                position[key] = revision
+                position[key] = at
             else:
                 newest = newest_at(ended)
                 placed = tl.earliest(state, max(floor, applied), newest)
@@ -756,8 +756,8 @@ def check(report: Report) -> list[str]:
                  f"maybe={maybe_adds}")
     restarts: Counter[str] = Counter()
     for m in report.metrics.values():
-        for name, value in m.items():
-            restarts[name.replace("cachedstore_", "")] += int(value)
+        for name, count in m.items():
+            restarts[name.replace("cachedstore_", "")] += int(count)
     faults = Counter(action for _, action, _, _ in report.plan)
     report.figures.update({
         "operations": sum(len(h) for h in report.histories.values()),
