@@ -38,6 +38,8 @@ def test_watch_create_never_asks_for_fragments() -> None:
     assert not etcdapi.watch_create(b"k", b"", 1).create_request.progress_notify
 
 
-def test_status_and_watch_progress() -> None:
+def test_status_auth_and_watch_progress() -> None:
     assert type(etcdapi.status()).__name__ == "StatusRequest"
+    auth = etcdapi.authenticate("alice", "s3cret")
+    assert (auth.name, auth.password) == ("alice", "s3cret")
     assert etcdapi.watch_progress().HasField("progress_request")
