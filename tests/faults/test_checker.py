@@ -131,7 +131,7 @@ def test_short_run_small_cache_delayed_applies_compaction_resyncs(
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("sabotage", "processes", "seconds"),
-                         [("no-marks", 2, 5.0), ("no-gate", 3, 8.0)])
+                         [("no-marks", 3, 6.0), ("no-gate", 3, 8.0)])
 def test_the_modes_catch_a_reverted_fix(etcd_factory: Callable[..., LocalEtcd],
                                         tmp_path: Path, sabotage: str, processes: int,
                                         seconds: float) -> None:
