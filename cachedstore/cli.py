@@ -324,8 +324,8 @@ def _credentials(args: argparse.Namespace) -> Any:
 def cmd_watch(args: argparse.Namespace) -> int:
     """Print every change under the prefix until Ctrl-C, --count events or --timeout."""
     import grpc
-    from etcd3 import etcdrpc
 
+    from . import etcdapi
     from .config import StoreConfig
     from .connection import Connection, parse_endpoint, translate_rpc_error
     from .keys import KeySpace
@@ -342,9 +342,8 @@ def cmd_watch(args: argparse.Namespace) -> int:
         deadline = conn.deadline()
         conn.authenticate(deadline)
         start = args.rev if args.rev is not None else current_revision(conn, keys, deadline) + 1
-        create = etcdrpc.WatchRequest(create_request=etcdrpc.WatchCreateRequest(
-            key=keys.range_start, range_end=keys.range_end, start_revision=start,
-            progress_notify=True))
+        create = etcdapi.watch_create(keys.range_start, keys.range_end, start,
+                                      progress_notify=True)
         stop = threading.Event()
 
         def requests() -> Any:
@@ -401,7 +400,9 @@ def cmd_watch(args: argparse.Namespace) -> int:
 def _print_event(event: Any, keys: Any, as_json: bool) -> None:
     name = keys.name_of(event.kv.key)
     name = _text(event.kv.key) if name is None else name
-    kind = "PUT" if event.type == 0 else "DELETE"
+    from .etcdapi import EVENT_PUT
+
+    kind = "PUT" if event.type == EVENT_PUT else "DELETE"
     if as_json:
         record: dict[str, Any] = {"type": kind, **_json_name(name),
                                   "revision": event.kv.mod_revision}

@@ -133,9 +133,7 @@ class EtcdClient:
 
     def status(self) -> Any:
         """etcd's Maintenance.Status of the endpoint in use (version, db size, leader...)."""
-        from etcd3 import etcdrpc
-
-        return self._call("status", etcdrpc.StatusRequest())
+        return self._call("status", etcdapi.status())
 
     # -- writes -------------------------------------------------------------------------
     def set(self, name: str | bytes, value: str | bytes) -> int:

@@ -1,8 +1,13 @@
 """The etcd v3 request vocabulary: every request cachedstore sends is built here.
 
-The store, the watcher, the rendezvous backend, the CLI and the demo's uncached client build
-their requests with these functions instead of assembling ``etcdrpc`` messages themselves, so
-that a compare, a range or a watch means the same thing everywhere.
+The store (reads, writes, queues), the rendezvous backend (through the store's CAS/lease
+API), the CLI and the plain client (:mod:`cachedstore.client`, the demo's uncached
+contender) build their requests with these functions instead of assembling ``etcdrpc``
+messages themselves, so that a compare, a range or a watch means the same thing everywhere.
+``tests/test_etcdapi.py`` keeps it so. Two modules still build their own: ``connection.py``
+(the auth request; :func:`authenticate` is ready for it) and ``watcher.py`` (its snapshot
+ranges, watch create, progress request and probe: :func:`range_prefix`,
+:func:`watch_create` and :func:`watch_progress` are ready for it).
 
 Keys and values are ``bytes`` (whole etcd keys: the caller applies its prefix).
 """
@@ -17,6 +22,7 @@ from etcd3 import etcdrpc
 __all__ = [
     "EVENT_PUT",
     "absent",
+    "authenticate",
     "delete",
     "lease_grant",
     "lease_revoke",
@@ -26,6 +32,7 @@ __all__ = [
     "put",
     "range_key",
     "range_prefix",
+    "status",
     "txn",
     "unmodified",
     "value_equals",
@@ -106,6 +113,18 @@ def lease_grant(ttl_seconds: int) -> Any:
 
 def lease_revoke(lease_id: int) -> Any:
     return etcdrpc.LeaseRevokeRequest(ID=lease_id)
+
+
+# -- auth -------------------------------------------------------------------------------
+def authenticate(user: str, password: str) -> Any:
+    """An ``AuthenticateRequest`` (answered with a simple token for the request metadata)."""
+    return etcdrpc.AuthenticateRequest(name=user, password=password)
+
+
+# -- maintenance ------------------------------------------------------------------------
+def status() -> Any:
+    """A Maintenance ``StatusRequest`` (version, db size, leader, raft term of a member)."""
+    return etcdrpc.StatusRequest()
 
 
 # -- watch ------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ timestamps (system-wide on Linux, so comparable across processes). An independen
 a raw gRPC watch on the parent's direct connection to etcd, records every change with its
 revision. Then the history is checked:
 
+- **coherence**: each operation records the revision its store's watch had applied when it
+  began (``watch_revision``); what it reads must still have been current at that revision;
 - **monotonic reads and read-your-writes** per process and key: every written value is
   unique, so each value read maps to the revision interval in which etcd held it; the
   process's reads and acknowledged writes, in order, must be placeable at non-decreasing
@@ -28,9 +30,24 @@ revision. Then the history is checked:
 Reproducible: the operation mix of each process and the fault schedule derive from the
 seed (timings are real, so interleavings vary). A failure message names the seed.
 
+Modes (:class:`CheckerConfig`), each also a CI test in ``test_checker.py``:
+
+- ``cache_size`` below the number of keys: the stores evict all the time, and entries
+  installed ahead of the watch are evicted while older events are still on their way;
+- ``apply_delay``: now and then the watch thread is held before it applies a response, and
+  a reader or writer after etcd answered it and before the cache hears of it;
+- ``compact_every_fault``: every cut and stall has a compaction in its middle, so the
+  store's watch resumes below the compacted revision and resyncs;
+- ``reread``: each operation's key is read back at once, so that a wrong entry it left in
+  the cache is read before a newer event replaces it;
+- ``sabotage``: revert one fix of the coherence core in the workers, to show the checker
+  finds the violations it lets through.
+
 By hand, from the ``tests`` directory::
 
     python -m faults.checker --seed 7 --processes 4 --duration 120
+    python -m faults.checker --seed 7 --duration 60 --cache-size 2 --apply-delay 0.02 \\
+        --compact-every-fault --reread
 """
 
 from __future__ import annotations
@@ -85,6 +102,25 @@ class CheckerConfig:
     converge_within: float = 1.0
     #: Connection errors are allowed this long after a fault on the process's path healed.
     recovery_allowance: float = 5.0
+    #: Each store's ``cache_size`` (0: the default). Below ``keys + 1`` the stores evict
+    #: all the time, so eviction's high-water marks (rule 2 of ``cache.py``) are exercised.
+    cache_size: int = 0
+    #: Delayed applies: with probability ``delay_probability`` each watch apply, each etcd
+    #: read's answer and each write's answer is held up to ``apply_delay`` seconds before it
+    #: reaches the cache (``apply_events``, ``after_read``, ``after_write``), widening the
+    #: windows of the stale-fill and late-write races (rules 1 and 3).
+    apply_delay: float = 0.0
+    delay_probability: float = 0.25
+    #: Compaction resyncs: compact etcd in the middle of *every* cut and stall, so that the
+    #: store's watch resumes below the compacted revision and must resync (rule 4).
+    compact_every_fault: bool = False
+    #: Read back at once the key each operation read or wrote (one more ``get``), so that a
+    #: wrong entry the operation left in the cache is read before a newer event replaces it.
+    reread: bool = False
+    #: Revert one fix in the worker processes, to show that the checker catches it:
+    #: ``"no-marks"`` (eviction keeps no high-water mark), ``"no-gate"`` (fills and writes
+    #: in flight are never refused). Never set in a run meant to pass.
+    sabotage: str = ""
 
     @property
     def names(self) -> list[str]:
@@ -135,9 +171,15 @@ def _worker(index: int, endpoint: str, prefix: str, config: dict[str, Any], out_
     history: list[list[Any]] = []
     metrics: dict[str, float] = {}
     try:
+        if cfg.sabotage:
+            _sabotage(cfg.sabotage)
         store = EtcdStore(endpoints=[endpoint], prefix=prefix, connect_timeout=20,
                           request_timeout=cfg.request_timeout, stall_timeout=cfg.stall_timeout,
-                          progress_interval=cfg.progress_interval)
+                          progress_interval=cfg.progress_interval,
+                          cache_size=cfg.cache_size or None)
+        delays: Counter[str] = Counter()
+        if cfg.apply_delay > 0:
+            delays = _delay_applies(store, cfg, random.Random(cfg.seed * 1000 + index + 500))
     except BaseException as exc:
         ready.put((index, f"{type(exc).__name__}: {exc}"))
         return
@@ -149,16 +191,23 @@ def _worker(index: int, endpoint: str, prefix: str, config: dict[str, Any], out_
     seen: dict[str, str | None] = {}
     seq = 0
     ops = ["get"] * 8 + ["mget"] * 2 + ["set"] * 3 + ["delete"] + ["cas"] * 3 + ["add"] * 3
+    reread: str | None = None
     try:
         time.sleep(max(0.0, start_at - time.monotonic()))
         while time.monotonic() < writes_until:
-            op = rng.choice(ops)
-            key = rng.choice(names)
+            again = reread is not None
+            if reread is not None:  # read back what the last operation left in the cache
+                op, key, reread = "get", reread, None
+            else:
+                op = rng.choice(ops)
+                key = rng.choice(names)
+                if op == "get":
+                    key = rng.choice(names + [COUNTER])
+            applied = store.watch_revision
             started = time.monotonic()
             arg: Any = None
             try:
                 if op == "get":
-                    key = rng.choice(names + [COUNTER])
                     value = store.get(key, None)
                     result: Any = _text(value)
                     seen[key] = result
@@ -168,7 +217,8 @@ def _worker(index: int, endpoint: str, prefix: str, config: dict[str, Any], out_
                     ended = time.monotonic()
                     for k, v in zip(keys, values, strict=True):
                         seen[k] = _text(v)
-                        history.append(["get", k, None, "ok", _text(v), started, ended, "run"])
+                        history.append(["get", k, None, "ok", _text(v), started, ended, "run",
+                                        applied])
                     continue
                 elif op == "set":
                     seq += 1
@@ -202,31 +252,93 @@ def _worker(index: int, endpoint: str, prefix: str, config: dict[str, Any], out_
             except Exception as exc:  # recorded, then reported as a violation
                 outcome = f"unexpected:{type(exc).__name__}"
                 result = "".join(traceback.format_exception(exc))[-500:]
-            history.append([op, key, arg, outcome, result, started, time.monotonic(), "run"])
+            history.append([op, key, arg, outcome, result, started, time.monotonic(), "run",
+                            applied])
+            if cfg.reread and outcome == "ok" and not again:
+                reread = key
         while time.monotonic() < settle_until:
+            applied = store.watch_revision
             started = time.monotonic()
             keys = names + [COUNTER]
             try:
                 values = store.mget(keys, default=None)
             except EtcdConnectionError as exc:
                 history.append(["get", "*", None, "conn", str(exc)[:200], started,
-                                time.monotonic(), "settle"])
+                                time.monotonic(), "settle", applied])
                 continue
             ended = time.monotonic()
             for k, v in zip(keys, values, strict=True):
-                history.append(["get", k, None, "ok", _text(v), started, ended, "settle"])
+                history.append(["get", k, None, "ok", _text(v), started, ended, "settle",
+                                applied])
             time.sleep(0.005)
         if store.registry is not None:
             for family in store.registry.collect():
                 for s in family.samples:
                     if s.name in ("cachedstore_watch_restarts_total",
                                   "cachedstore_fills_dropped_total",
-                                  "cachedstore_stale_reads_total"):
+                                  "cachedstore_stale_reads_total",
+                                  "cachedstore_cache_evictions_total"):
                         label = s.labels.get("reason", "")
                         metrics[f"{s.name}{{{label}}}" if label else s.name] = s.value
+        for where, n in delays.items():
+            metrics[f"delays{{{where}}}"] = n
     finally:
         store.close()
         Path(out_path).write_text(json.dumps({"history": history, "metrics": metrics}))
+
+
+def _delay_applies(store: Any, cfg: CheckerConfig, rng: random.Random
+                   ) -> Counter[str]:
+    """Hold, now and then, what is on its way into ``store``'s cache: the watch thread
+    before it applies a response, a reader and a writer after etcd answered them. Returns
+    the number of delays so far per place (``apply``, ``read``, ``write``), kept current."""
+    lock = threading.Lock()
+    delays: Counter[str] = Counter()
+
+    def pause(where: str) -> None:
+        with lock:  # one generator shared by the watch thread and the caller
+            length = rng.uniform(0, cfg.apply_delay) if rng.random() < \
+                cfg.delay_probability else 0.0
+            if length:
+                delays[where] += 1
+        if length:
+            time.sleep(length)
+
+    cache = store._cache
+    apply = cache.apply_events
+
+    def delayed_apply(events: Any, revision: int) -> None:
+        pause("apply")
+        apply(events, revision)
+
+    cache.apply_events = delayed_apply
+    store._reads.after_read = lambda names: pause("read")
+    store._writes.after_write = lambda names: pause("write")
+    return delays
+
+
+def _sabotage(kind: str) -> None:
+    """Revert one coherence fix of :class:`~cachedstore.cache.CoherentCache` in this
+    process (before its store is created), so a run shows the checker would notice."""
+    from cachedstore.cache import CoherentCache
+
+    if kind == "no-marks":  # rule 2 gone: an evicted entry leaves no high-water mark
+        def evicted(self: Any, name: str, entry: Any) -> None:
+            self.complete = False
+            self._metrics.evictions.inc()
+            self._metrics.entries.dec()
+
+        CoherentCache._evicted = evicted  # type: ignore[method-assign]
+    elif kind == "no-gate":  # rule 3 gone: nothing applied meanwhile refuses a result
+        finish = CoherentCache._finish
+
+        def always(self: Any, name: str, ticket: int, revision: int) -> bool:
+            finish(self, name, ticket, revision)
+            return True
+
+        CoherentCache._finish = always  # type: ignore[method-assign]
+    else:
+        raise ValueError(f"unknown sabotage {kind!r}")
 
 
 def _text(value: bytes | None) -> str | None:
@@ -352,7 +464,9 @@ class _Oracle:
 def make_plan(config: CheckerConfig) -> list[tuple[float, str, int, float]]:
     """The fault schedule: ``(offset, action, process, duration)`` from the seed; actions
     ``reset`` (RST now), ``cut`` (RST and refuse for ``duration``), ``stall`` (hold bytes for
-    ``duration``) and ``compact`` (compact etcd to the newest revision; process -1)."""
+    ``duration``) and ``compact`` (compact etcd to the newest revision; process -1). Most
+    cuts -- with ``compact_every_fault`` every cut and stall -- have a compaction in their
+    middle."""
     rng = random.Random(config.seed)
     while True:  # redraw (deterministically) until every kind of fault is in the plan
         plan = _draw_plan(config, rng)
@@ -378,7 +492,9 @@ def _draw_plan(config: CheckerConfig, rng: random.Random
                 length = 0.0 if action == "reset" else min(rng.uniform(lo, hi), end - t)
                 plan.append((t, action, target, length))
                 busy[target] = t + length + 0.2
-                if action == "cut" and rng.random() < 0.7:  # compact past its revision
+                # Compact past its watch's revision: it must resync once the path heals.
+                compact = action == "cut" and rng.random() < 0.7
+                if compact or (config.compact_every_fault and length > 0):
                     plan.append((t + length / 2, "compact", -1, 0.0))
         t += rng.uniform(0.3, 1.0)
     plan.sort()
@@ -562,14 +678,14 @@ def check(report: Report) -> list[str]:
     # revision of every acknowledged write that *started* after t (real-time order).
     writes: list[tuple[float, int, float]] = []  # (start, revision, end) of acked writes
     for history in report.histories.values():
-        for op, key, arg, outcome, result, started, ended, _ in history:
+        for op, key, arg, outcome, result, started, ended, *_ in history:
             if outcome != "ok":
                 continue
             value = arg if op == "set" else arg[1] if op == "cas" and result == arg[1] \
                 else str(result) if op == "add" else None
-            revision = timelines[key].last_revision(value) if value is not None else None
-            if revision is not None:
-                writes.append((started, revision, ended))
+            written = timelines[key].last_revision(value) if value is not None else None
+            if written is not None:
+                writes.append((started, written, ended))
     writes.sort()
     write_starts = [w[0] for w in writes]
     later_min = list(itertools.accumulate((w[1] for w in reversed(writes)), min))[::-1]
@@ -596,7 +712,7 @@ def check(report: Report) -> list[str]:
     converge: dict[int, float] = {}
     for proc, history in report.histories.items():
         position: dict[str, int] = defaultdict(int)
-        for op, key, arg, outcome, result, started, ended, _phase in history:
+        for op, key, arg, outcome, result, started, ended, _phase, applied in history:
             outcomes[f"{op}:{outcome.split(':')[0]}"] += 1
             where = f"p{proc} {op}({key}) at +{started - report.start_at:.3f}s"
             if outcome.startswith(("unexpected", "error")):
@@ -629,22 +745,28 @@ def check(report: Report) -> list[str]:
                 state, exact = str(result), True
             floor = position[key]
             if exact:
-                revision = tl.last_revision(state)  # type: ignore[arg-type]
-                if revision is None:
+                at = tl.last_revision(state) if state is not None else None
+                if at is None:
                     v.append(f"{where}: acknowledged write {state!r} is not in etcd's history")
                     continue
-                if revision < floor:
-                    v.append(f"{where}: write {state!r} at revision {revision} after "
+                if at < floor:
+                    v.append(f"{where}: write {state!r} at revision {at} after "
                              f"having observed revision {floor} (read-your-writes/monotonic)")
                     continue
-                position[key] = revision
+                position[key] = at
             else:
                 newest = newest_at(ended)
-                placed = tl.earliest(state, floor, newest)
+                placed = tl.earliest(state, max(floor, applied), newest)
                 if placed is None:
-                    v.append(f"{where}: read {state!r}, which etcd did not hold between "
-                             f"revision {floor} (already observed) and {newest} (the newest "
-                             f"when the read returned): monotonic reads / read-your-writes")
+                    if tl.earliest(state, floor, newest) is not None:
+                        v.append(f"{where}: read {state!r}, which etcd no longer held at "
+                                 f"revision {applied}, already applied by this store's "
+                                 f"watch when the read began (coherence)")
+                    else:
+                        v.append(f"{where}: read {state!r}, which etcd did not hold between "
+                                 f"revision {floor} (already observed) and {newest} (the "
+                                 f"newest when the read returned): monotonic reads / "
+                                 f"read-your-writes")
                     continue
                 position[key] = placed
                 replaced = tl.replaced_at(state, ended, acked_at)
@@ -660,7 +782,7 @@ def check(report: Report) -> list[str]:
             v.append(f"p{proc}: no reads after quiescence")
             continue
         converged_at = None
-        for _op, key, _, outcome, result, started, _, _ in settle:
+        for _op, key, _, outcome, result, started, *_ in settle:
             ok = outcome == "ok" and result == final.get(key)
             if not ok:
                 converged_at = None
@@ -684,8 +806,8 @@ def check(report: Report) -> list[str]:
                  f"maybe={maybe_adds}")
     restarts: Counter[str] = Counter()
     for m in report.metrics.values():
-        for name, value in m.items():
-            restarts[name.replace("cachedstore_", "")] += int(value)
+        for name, count in m.items():
+            restarts[name.replace("cachedstore_", "")] += int(count)
     faults = Counter(action for _, action, _, _ in report.plan)
     report.figures.update({
         "operations": sum(len(h) for h in report.histories.values()),
@@ -713,10 +835,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", type=int, default=4)
     parser.add_argument("--duration", type=float, default=120.0)
     parser.add_argument("--keys", type=int, default=5)
+    parser.add_argument("--cache-size", type=int, default=0,
+                        help="each store's cache_size (0: the default; try 2 with 5 keys)")
+    parser.add_argument("--apply-delay", type=float, default=0.0, metavar="SECONDS",
+                        help="delay watch applies and etcd answers up to this long")
+    parser.add_argument("--compact-every-fault", action="store_true",
+                        help="compact etcd in the middle of every cut and stall")
+    parser.add_argument("--reread", action="store_true",
+                        help="read back at once the key each operation touched")
+    parser.add_argument("--sabotage", choices=["no-marks", "no-gate"], default="",
+                        help="revert a coherence fix in the workers (the run should fail)")
     parser.add_argument("--save", metavar="FILE", help="write the whole report as JSON")
     args = parser.parse_args(argv)
     config = CheckerConfig(seed=args.seed, processes=args.processes, duration=args.duration,
-                           keys=args.keys)
+                           keys=args.keys, cache_size=args.cache_size,
+                           apply_delay=args.apply_delay,
+                           compact_every_fault=args.compact_every_fault,
+                           reread=args.reread, sabotage=args.sabotage)
     started = time.monotonic()
     with LocalEtcd() as server, tempfile.TemporaryDirectory() as workdir:
         report = run(config, server.endpoint, workdir)
