@@ -350,7 +350,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
             yield create
             stop.wait()  # keep the send side open until we are done
 
-        _, endpoint = conn.endpoint()
+        _, endpoint = conn.checked_endpoint(deadline)  # never another cluster
         call = cast(Any, endpoint).watch.Watch(requests(), metadata=conn.metadata())
         timed_out = threading.Event()
 

@@ -188,7 +188,7 @@ class EtcdClient:
             yield create
             done.wait()  # keep the send side open: etcd ends a half-closed stream
 
-        _, endpoint = self._conn.endpoint()
+        _, endpoint = self._conn.checked_endpoint(deadline)  # never another cluster
         self.watch_streams += 1
         started = time.perf_counter()
         code = "ok"

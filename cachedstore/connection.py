@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 from etcd3 import etcdrpc
 
+from . import etcdapi
 from .clock import SYSTEM_CLOCK, Clock
 from .config import StoreConfig
 from .errors import (
@@ -317,7 +318,7 @@ class Connection:
             index, ep = self.endpoint()
             if ep.checked:
                 return index, ep
-            self.call("status", etcdrpc.StatusRequest(), deadline=deadline)
+            self.call("status", etcdapi.status(), deadline=deadline)
 
     # -- auth ----------------------------------------------------------------------------
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -348,8 +349,8 @@ class Connection:
         with self._auth_lock:
             if stale_token is not None and self._token != stale_token:
                 return
-            request = etcdrpc.AuthenticateRequest(
-                name=self._credentials.user, password=self._credentials.password)
+            request = etcdapi.authenticate(self._credentials.user or "",
+                                           self._credentials.password or "")
             response = self.call("authenticate", request, deadline=deadline,
                                  retry=IDEMPOTENT, authenticated=False)
             if self._token is not None:
@@ -401,16 +402,17 @@ class Connection:
             try:
                 if not ep.checked:
                     # Never send a request to a member before it is known to be ours.
-                    status = ep.maintenance.Status(etcdrpc.StatusRequest(),
+                    status = ep.maintenance.Status(etcdapi.status(),
                                                    timeout=per_attempt, metadata=metadata)
+                    self._metrics.rpc("status", "ok", time.perf_counter() - started)
                     try:
                         self.check_cluster(index, status.header)
                     except ClusterMismatchError as exc:
                         mismatch = exc
                         continue
                     if method == "status":
-                        self._metrics.rpc(method, "ok", time.perf_counter() - started)
                         return status
+                    started = time.perf_counter()
                 response = _rpc(ep, method)(request, timeout=per_attempt, metadata=metadata)
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None

@@ -38,8 +38,6 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import quote
 
-from etcd3 import etcdrpc
-
 from . import etcdapi
 from .errors import NotAnIntegerError
 from .keys import KeySpace, prefix_range_end
@@ -108,15 +106,6 @@ class Parts:
         self.deltas_end = prefix_range_end(self.deltas)
 
 
-def _value_compare(key: bytes, result: int, value: bytes) -> Any:
-    return etcdrpc.Compare(key=key, result=result, target=etcdrpc.Compare.VALUE, value=value)
-
-
-def _holds_marker(key: bytes) -> list[Any]:
-    return [_value_compare(key, etcdrpc.Compare.GREATER, MARK),
-            _value_compare(key, etcdrpc.Compare.LESS, _MARK_END)]
-
-
 def clear(p: Parts) -> Any:
     """An operation deleting every part of the counter (not its key)."""
     return etcdapi.op_delete(etcdapi.delete(p.start, range_end=p.end))
@@ -138,12 +127,11 @@ def add_request(p: Parts, amount: int) -> Any:
         delta_key = p.deltas + os.urandom(8).hex().encode()
         increment = etcdapi.op_put(etcdapi.put(delta_key, str(amount).encode()))
     create = etcdapi.txn(
-        [etcdrpc.Compare(key=p.key, result=etcdrpc.Compare.EQUAL,
-                         target=etcdrpc.Compare.VERSION, version=0)],
+        [etcdapi.never_put(p.key)],
         [etcdapi.op_put(etcdapi.put(p.key, mark(amount))), clear(p)],
         [etcdapi.op_range(etcdapi.range_key(p.key))])
-    return etcdapi.txn(_holds_marker(p.key), [increment, *read_ops(p)],
-                       [etcdrpc.RequestOp(request_txn=create)])
+    holds_marker = etcdapi.value_between(p.key, MARK, _MARK_END)
+    return etcdapi.txn(holds_marker, [increment, *read_ops(p)], [etcdapi.op_txn(create)])
 
 
 def add_result(response: Any, amount: int) -> tuple[str, int | Any]:
@@ -165,8 +153,7 @@ def fold_request(p: Parts, key_kv: Any, value: int, revision: int) -> Any:
     ``value``) back into a plain decimal key, for ``append`` and ``compare_set``. Fails if
     the key or any part changed since the read."""
     compares = [etcdapi.unmodified(p.key, key_kv.mod_revision),
-                etcdrpc.Compare(key=p.start, range_end=p.end, result=etcdrpc.Compare.LESS,
-                                target=etcdrpc.Compare.MOD, mod_revision=revision + 1)]
+                etcdapi.unmodified_since(p.start, p.end, revision)]
     return etcdapi.txn(compares, [etcdapi.op_put(etcdapi.put(p.key, str(value).encode())),
                                   clear(p)])
 

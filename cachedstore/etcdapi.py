@@ -26,15 +26,19 @@ __all__ = [
     "delete",
     "lease_grant",
     "lease_revoke",
+    "never_put",
     "op_delete",
     "op_put",
     "op_range",
+    "op_txn",
     "put",
     "range_key",
     "range_prefix",
     "status",
     "txn",
     "unmodified",
+    "unmodified_since",
+    "value_between",
     "value_equals",
     "watch_create",
     "watch_progress",
@@ -61,6 +65,29 @@ def value_equals(key: bytes, value: bytes) -> Any:
     """A Txn compare: ``key`` exists and holds exactly ``value``."""
     return etcdrpc.Compare(key=key, result=etcdrpc.Compare.EQUAL,
                            target=etcdrpc.Compare.VALUE, value=value)
+
+
+def value_between(key: bytes, low: bytes, high: bytes) -> list[Any]:
+    """Txn compares: ``key`` exists and ``low < value < high`` (bytewise; a missing key
+    fails a value compare in etcd)."""
+    return [etcdrpc.Compare(key=key, result=etcdrpc.Compare.GREATER,
+                            target=etcdrpc.Compare.VALUE, value=low),
+            etcdrpc.Compare(key=key, result=etcdrpc.Compare.LESS,
+                            target=etcdrpc.Compare.VALUE, value=high)]
+
+
+def never_put(key: bytes) -> Any:
+    """A Txn compare: ``key`` does not exist (its version is 0)."""
+    return etcdrpc.Compare(key=key, result=etcdrpc.Compare.EQUAL,
+                           target=etcdrpc.Compare.VERSION, version=0)
+
+
+def unmodified_since(start: bytes, end: bytes, revision: int) -> Any:
+    """A Txn compare: no key in ``[start, end)`` was modified after ``revision`` (true for
+    an empty range; a key deleted since is not seen, so pair it with a compare on a key
+    that every deletion rewrites)."""
+    return etcdrpc.Compare(key=start, range_end=end, result=etcdrpc.Compare.LESS,
+                           target=etcdrpc.Compare.MOD, mod_revision=revision + 1)
 
 
 # -- KV requests ------------------------------------------------------------------------
@@ -98,6 +125,11 @@ def op_put(request: Any) -> Any:
 
 def op_delete(request: Any) -> Any:
     return etcdrpc.RequestOp(request_delete_range=request)
+
+
+def op_txn(request: Any) -> Any:
+    """A nested Txn as one operation of another (etcd ≥ 3.3)."""
+    return etcdrpc.RequestOp(request_txn=request)
 
 
 def txn(compare: Sequence[Any] = (), success: Sequence[Any] = (),

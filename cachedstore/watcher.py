@@ -37,8 +37,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
-from etcd3 import etcdrpc
 
+from . import etcdapi
 from .cache import CoherentCache
 from .clock import SYSTEM_CLOCK, Clock
 from .config import StoreConfig
@@ -79,16 +79,14 @@ def snapshot(conn: Connection, keyspace: KeySpace, limit: int, deadline: float
     them as of R: ``(name, value, mod_revision)``; None when there are more (or R was
     compacted in between). One count-only range, plus one range when there are keys to load.
     Raises cachedstore errors."""
-    request = etcdrpc.RangeRequest(
-        key=keyspace.range_start, range_end=keyspace.range_end, count_only=True)
+    request = etcdapi.range_prefix(keyspace.range_start, keyspace.range_end, count_only=True)
     counted = conn.call("range", request, deadline=deadline)
     revision = int(counted.header.revision)
     if limit <= 0 or counted.count > limit:  # 0: preloading disabled
         return revision, None
     if counted.count == 0:
         return revision, []
-    request = etcdrpc.RangeRequest(
-        key=keyspace.range_start, range_end=keyspace.range_end, revision=revision)
+    request = etcdapi.range_prefix(keyspace.range_start, keyspace.range_end, revision=revision)
     try:
         response = conn.call("range", request, deadline=deadline)
     except CachedStoreError as exc:
@@ -221,10 +219,9 @@ class Watcher:
         clock = self._clock
         stalled = threading.Event()
         denied = threading.Event()
-        create = etcdrpc.WatchRequest(create_request=etcdrpc.WatchCreateRequest(
-            key=self._keyspace.range_start, range_end=self._keyspace.range_end,
-            start_revision=self._revision + 1))
-        progress = etcdrpc.WatchRequest(progress_request=etcdrpc.WatchProgressRequest())
+        create = etcdapi.watch_create(self._keyspace.range_start, self._keyspace.range_end,
+                                      self._revision + 1)
+        progress = etcdapi.watch_progress()
         interval = self._config.progress_interval
         stall_timeout = self._config.stall_timeout
         auth_interval = self._config.auth_check_interval if self._conn.has_identity else None
@@ -346,8 +343,8 @@ class Watcher:
     def _probe(self, endpoint: Any, timeout: float) -> bool:
         """Liveness of a stream that never answered a progress request: one count-only
         range on the stream's own channel. True if answered within ``timeout``."""
-        request = etcdrpc.RangeRequest(key=self._keyspace.range_start,
-                                       range_end=self._keyspace.range_end, count_only=True)
+        request = etcdapi.range_prefix(self._keyspace.range_start, self._keyspace.range_end,
+                                       count_only=True)
         try:
             endpoint.kv.Range(request, timeout=timeout, metadata=self._conn.metadata())
         except (grpc.RpcError, ValueError):  # ValueError: the channel was closed
