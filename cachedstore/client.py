@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import grpc
 
-from . import etcdapi
+from . import counters, etcdapi
 from .config import StoreConfig
 from .connection import Connection, Credentials, parse_endpoint, translate_rpc_error
 from .errors import (
@@ -102,10 +102,22 @@ class EtcdClient:
         key = self._key(name)
         response = self._call("range", etcdapi.range_key(key))
         if response.kvs:
-            return _key_value(response.kvs[0])
+            return self._decoded(name, response.kvs[0])
         if timeout is None:
             raise KeyNotFoundError(name)
         return self._wait(key, response.header.revision, time.monotonic() + timeout, timeout)
+
+    def _decoded(self, name: str | bytes, kv: Any) -> KeyValue:
+        """A key as :meth:`get_kv` returns it: a counter's marker (``counters.py``) becomes
+        the counter's decimal value, read with one more Txn."""
+        if not counters.is_mark(kv.value):
+            return _key_value(kv)
+        parts = counters.Parts(self._keys, self._keys.canonical(name))
+        response = self._call("txn", etcdapi.txn(success=counters.read_ops(parts)))
+        found = counters.value_of(response.responses)
+        if not isinstance(found, int):  # no longer a counter (set or deleted meanwhile)
+            return _key_value(found) if found is not None else _key_value(kv)
+        return KeyValue(str(found).encode(), kv.create_revision, kv.mod_revision, kv.version)
 
     def mget(self, names: Sequence[str | bytes], timeout: float | None = None) -> list[bytes]:
         """One Txn of ranges (at most ``max_txn_ops`` names); absent keys waited for as in
@@ -171,8 +183,8 @@ class EtcdClient:
 
     def delete_prefix(self) -> int:
         """Delete every key under the prefix; returns how many existed."""
-        return int(self._call("delete_range", etcdapi.delete(
-            self._keys.range_start, range_end=self._keys.range_end)).deleted)
+        return int(self._call("delete_range", etcdapi.delete(  # counters' parts included
+            self._keys.range_start, range_end=self._keys.full_range_end)).deleted)
 
     # -- waiting ------------------------------------------------------------------------
     def _wait(self, key: bytes, revision: int, deadline: float, timeout: float | None

@@ -240,3 +240,19 @@ def test_heartbeat_checks_cost_etcd_nothing_in_steady_state(own_etcd, prefix, kw
         assert after.minus(before).unary_requests == 0  # (progress requests: liveness)
     finally:
         _close(stores)
+
+
+def test_the_cli_client_shows_a_counter_in_decimal_and_cleans_its_parts(etcd, prefix):
+    from cachedstore import StoreConfig
+    from cachedstore.client import EtcdClient
+    from cachedstore.connection import Credentials
+    from cachedstore.metrics import NullMetrics
+
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix) as store:
+        store.add("c", 2)
+        store.add("c", 1)
+    with EtcdClient([etcd.endpoint], Credentials(), StoreConfig(), NullMetrics(),
+                    prefix) as client:
+        assert client.get("c") == b"3"  # what `cachedstore get c` prints
+        client.delete_prefix()
+    assert list(raw_client(etcd).get_prefix(prefix)) == []  # the parts went too
