@@ -276,8 +276,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
     registry = CollectorRegistry()
     with _open_client(args, StoreMetrics(registry)) as client:
+        status = client.status()  # first: it doubles as the check of the cluster id
         keys = client.count()
-        status = client.status()
     rpcs: dict[str, int] = {}
     for family in registry.collect():
         for sample in family.samples:

@@ -159,32 +159,42 @@ class EtcdClient:
         return bool(self._call("delete_range", etcdapi.delete(self._key(name))).deleted)
 
     def add(self, name: str | bytes, amount: int = 1) -> int:
-        """Read the counter, then compare-and-swap it on its mod_revision until it sticks;
-        returns the new value."""
-        key = self._key(name)
+        """Add to the counter ``name`` with the store's layout (``counters.py``): one Txn
+        that no other add can make fail; a key holding a plain decimal is converted by one
+        compare-and-swap first. Returns the new value; ``amount == 0`` only reads."""
+        if amount == 0:
+            try:
+                return counters.parse_int(self.get(name), name)
+            except KeyNotFoundError:
+                return 0
+        canonical = self._keys.canonical(name)
+        parts = counters.Parts(self._keys, canonical)
         deadline = self._conn.deadline()
-        response = self._conn.call("range", etcdapi.range_key(key), deadline=deadline)
-        found = response.kvs[0] if response.kvs else None
         while True:
-            if found is None:
-                new, compare = amount, etcdapi.absent(key)
-            else:
-                new = int(found.value) + amount
-                compare = etcdapi.unmodified(key, found.mod_revision)
-            request = etcdapi.txn(
-                compare=[compare],
-                success=[etcdapi.op_put(etcdapi.put(key, str(new).encode()))],
-                failure=[etcdapi.op_range(etcdapi.range_key(key))])
-            txn = self._conn.call("txn", request, deadline=deadline)
-            if txn.succeeded:
-                return new
-            kvs = txn.responses[0].response_range.kvs
-            found = kvs[0] if kvs else None
+            response = self._conn.call("txn", counters.add_request(parts, amount),
+                                       deadline=deadline)
+            outcome, result = counters.add_result(response, amount)
+            if outcome == "added":
+                return int(result)
+            if outcome == "created":
+                return amount
+            plain: Any = result  # the key's kv: a value someone set
+            value = counters.parse_int(plain.value, name) + amount
+            request = etcdapi.txn([etcdapi.unmodified(parts.key, plain.mod_revision)],
+                                  [etcdapi.op_put(etcdapi.put(parts.key, counters.mark(value))),
+                                   counters.clear(parts)])
+            if self._conn.call("txn", request, deadline=deadline).succeeded:
+                return value
 
     def delete_prefix(self) -> int:
-        """Delete every key under the prefix; returns how many existed."""
-        return int(self._call("delete_range", etcdapi.delete(  # counters' parts included
-            self._keys.range_start, range_end=self._keys.full_range_end)).deleted)
+        """Delete every key under the prefix, counters' parts included (one Txn); returns
+        how many names existed."""
+        keys = self._keys
+        response = self._call("txn", etcdapi.txn(success=[
+            etcdapi.op_delete(etcdapi.delete(keys.range_start, range_end=keys.range_end)),
+            etcdapi.op_delete(etcdapi.delete(keys.range_end,  # the counters' parts
+                                             range_end=keys.full_range_end))]))
+        return int(response.responses[0].response_delete_range.deleted)
 
     # -- waiting ------------------------------------------------------------------------
     def _wait(self, key: bytes, revision: int, deadline: float, timeout: float | None

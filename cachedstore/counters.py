@@ -33,6 +33,7 @@ This module builds requests and decodes answers; it does no I/O (``writes.py`` a
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -49,7 +50,9 @@ __all__ = [
     "add_request",
     "add_result",
     "base_of",
+    "COMPACT_AT",
     "clear",
+    "compact_request",
     "fold_request",
     "is_mark",
     "mark",
@@ -59,6 +62,10 @@ __all__ = [
     "value_of",
 ]
 
+#: Names longer than this (bytes) are identified in the parts' keys by a digest.
+_LONG_NAME = 200
+#: An add that read this many delta keys folds them into the base (``compact_request``).
+COMPACT_AT = 64
 #: Every counter's key holds a value starting with these bytes.
 MARK = b"\x00cachedstore:counter\x00"
 _MARK_END = MARK[:-1] + b"\x01"  # the first value past every marker
@@ -88,7 +95,11 @@ def mark(base: int) -> bytes:
 
 
 def base_of(marker: bytes) -> int:
-    return int(marker[len(MARK):] or b"0")
+    try:
+        return int(marker[len(MARK):] or b"0")
+    except ValueError:
+        raise NotAnIntegerError(f"a counter's marker with no decimal base: "
+                                f"{marker[:60]!r}") from None
 
 
 class Parts:
@@ -98,7 +109,11 @@ class Parts:
 
     def __init__(self, keys: KeySpace, canonical: str) -> None:
         self.key = keys.key(canonical)
-        encoded = quote(canonical.encode("utf-8", "surrogateescape"), safe="").encode()
+        raw = canonical.encode("utf-8", "surrogateescape")
+        # Long names by digest: a percent-encoded name is up to 3 times as long, and the
+        # parts' range travels in every add and delete.
+        encoded = quote(raw, safe="").encode() if len(raw) <= _LONG_NAME \
+            else b"~" + hashlib.blake2b(raw, digest_size=20).hexdigest().encode()
         self.start = keys.internal + b"counter/" + encoded + b"/"
         self.end = prefix_range_end(self.start)
         self.ones = self.start + b"ones"
@@ -146,6 +161,29 @@ def add_result(response: Any, amount: int) -> tuple[str, int | Any]:
     if nested.succeeded:
         return "created", amount
     return "plain", nested.responses[0].response_range.kvs[0]
+
+
+def compact_request(p: Parts, answers: Sequence[Any]) -> Any | None:
+    """A Txn folding what an add's success branch read (``answers``: its put, then the
+    ranges of :func:`read_ops`) into the key's base: the key gets the counter's value as
+    its new base, ``ones`` and the deltas read are deleted. It fails if the key or ``ones``
+    changed since; deltas added meanwhile have other names and stay. None if there is
+    nothing to fold. Keeps within etcd's 128 operations per Txn."""
+    key_kvs = answers[1].response_range.kvs
+    ones_kvs = answers[2].response_range.kvs
+    deltas = list(answers[3].response_range.kvs)[:120]
+    if not key_kvs or not key_kvs[0].value.startswith(MARK) or not deltas:
+        return None
+    base = base_of(key_kvs[0].value) + (ones_kvs[0].version if ones_kvs else 0) \
+        + sum(int(kv.value) for kv in deltas)
+    compares = [etcdapi.unmodified(p.key, key_kvs[0].mod_revision),
+                etcdapi.unmodified(p.ones, ones_kvs[0].mod_revision) if ones_kvs
+                else etcdapi.never_put(p.ones)]
+    success = [etcdapi.op_put(etcdapi.put(p.key, mark(base)))]
+    if ones_kvs:
+        success.append(etcdapi.op_delete(etcdapi.delete(p.ones)))
+    success += [etcdapi.op_delete(etcdapi.delete(kv.key)) for kv in deltas]
+    return etcdapi.txn(compares, success)
 
 
 def fold_request(p: Parts, key_kv: Any, value: int, revision: int) -> Any:

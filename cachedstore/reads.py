@@ -319,16 +319,21 @@ class ReadThrough:
             value = entry[0]
         elif deadline is None:
             value = self.fetch([canonical]).get(canonical)
-        if value is None and deadline is not None:
-            try:
-                value = self.wait_for(canonical, deadline, timeout)
-            except StoreTimeoutError:
-                if default is MISSING:
-                    raise
-        if counters.is_mark(value):
+        while True:
+            if value is None and deadline is not None:
+                try:
+                    value = self.wait_for(canonical, deadline, timeout)
+                except StoreTimeoutError:
+                    if default is MISSING:
+                        raise
+            if not counters.is_mark(value):
+                break
             found = {canonical: value}
-            self.decimals(found)
+            self.decimals(found)  # the counter's read also caches the key's current state
             value = found[canonical]
+            if value is not None or deadline is None:
+                break
+            # The counter was deleted meanwhile: a blocking get waits for it again.
         return value if value is not None else absent(name, default)
 
     def mget(self, op: str, names: list[Any], default: Any, timeout: Timeout,
@@ -344,25 +349,21 @@ class ReadThrough:
         self._metrics.miss[op].inc(len(pending) - hits)
         for i in pending:
             name = canonical[i]
-            value = values.get(name)
-            if value is None and deadline is not None:
+            if values.get(name) is None and deadline is not None:
                 try:
-                    value = values[name] = self.wait_for(name, deadline, timeout)
+                    values[name] = self.wait_for(name, deadline, timeout)
                 except StoreTimeoutError:
                     if default is MISSING:
                         raise
+        if op != "wait":  # a wait needs existence only: a counter's value is not read
+            self.decimals(values)
+        for i in pending:
+            value = values.get(canonical[i])
             if value is None:
                 if default is MISSING:
                     raise KeyNotFoundError(names[i])
                 value = default
             first[i] = value
-        marked = {canonical[i]: first[i] for i in pending if counters.is_mark(first[i])}
-        if marked:
-            self.decimals(marked)
-            for i in pending:
-                if canonical[i] in marked:
-                    value = marked[canonical[i]]
-                    first[i] = value if value is not None else absent(names[i], default)
         return first
 
     def check(self, names: Iterable[object]) -> bool:

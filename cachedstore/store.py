@@ -457,6 +457,7 @@ class EtcdStore:
         """
         if isinstance(amount, bool) or not isinstance(amount, int):
             raise InvalidTypeError(f"amount must be an int, not {type(amount).__name__}")
+        amount = int(amount)  # an IntEnum or an int subclass: counted, returned as int
         with self._timed("add"):
             if amount == 0:
                 return self._reads.counter(name)

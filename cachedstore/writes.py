@@ -170,6 +170,9 @@ class Writer:
             if counters.is_mark(current):
                 current, mod_revision = self.fold(canonical, deadline)
             new = transform(current)
+            if new.startswith(counters.MARK):  # e.g. two appends that spell the marker
+                raise InvalidInputError(f"the new value of {name!r} would start with the "
+                                        f"bytes that mark a counter; they are reserved")
             self._keys.check_size(key, new)
             compare = etcdapi.absent(key) if current is None \
                 else etcdapi.unmodified(key, mod_revision)
@@ -207,6 +210,9 @@ class Writer:
             cache.end_fill([canonical], ticket, {canonical: (kv.value, kv.mod_revision)},
                            revision)
             if outcome == "added":
+                deltas = response.responses[3].response_range.kvs
+                if len(deltas) >= counters.COMPACT_AT:
+                    self._compact(canonical, parts, response, deadline)
                 return int(result)
             # A plain value someone set: make it a counter (once; retried only if the key
             # changes meanwhile), then add as usual.
@@ -243,6 +249,26 @@ class Writer:
                 return bytes(found.value)
             # Present with an empty value and expected == "": swap on its mod_revision.
             compare = etcdapi.unmodified(key, found.mod_revision)
+
+    def _compact(self, canonical: str, parts: counters.Parts, added: Any, deadline: float
+                 ) -> None:
+        """Fold the increments an add just read into its counter's base (one Txn, not
+        retried: a racing add leaves it for a later one), so that reads of a counter that
+        many ``add(k, n != 1)`` went into stay small. One watch event per COMPACT_AT adds."""
+        request = counters.compact_request(parts, added.responses)
+        if request is None:
+            return
+        ticket = self._cache.begin([canonical])
+        try:
+            response = self._conn.call("txn", request, deadline=deadline, retry=UNSENT_ONLY)
+        except BaseException:
+            self._cache.abandon([canonical])
+            raise
+        if response.succeeded:
+            marker = request.success[0].request_put.value
+            self._cache.end_write([(canonical, marker)], ticket, response.header.revision)
+        else:
+            self._cache.abandon([canonical])
 
     def fold(self, canonical: str, deadline: float) -> tuple[bytes | None, int]:
         """Turn the counter ``canonical`` back into a plain decimal key (so that ``append``
@@ -287,6 +313,11 @@ class Writer:
             cache.end_fill([canonical], ticket, seen, revision)
         if kv is None:
             return None
+        if counters.is_mark(kv.value):
+            # A counter's adds never change its key's mod_revision, so a put_if on the
+            # token would lose them: fold it into a plain decimal first, then read that.
+            self.fold(canonical, self._conn.deadline())
+            return self.read(name)
         return Versioned(bytes(kv.value), kv.mod_revision, kv.version, kv.lease)
 
     def put_if(self, name: object, value: object, mod_revision: int, lease: int

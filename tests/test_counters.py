@@ -256,3 +256,103 @@ def test_the_cli_client_shows_a_counter_in_decimal_and_cleans_its_parts(etcd, pr
         assert client.get("c") == b"3"  # what `cachedstore get c` prints
         client.delete_prefix()
     assert list(raw_client(etcd).get_prefix(prefix)) == []  # the parts went too
+
+
+# -- found by review: each a regression test -------------------------------------------------
+def test_mget_defaults_of_any_type_and_waits_on_counters_read_nothing(etcd, prefix):
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix) as store:
+        store.add("c", 4)
+        assert store.mget(["missing", "c"], default=0) == [0, b"4"]
+        assert store.mget(["missing"], default="") == [""]
+        before = store.stats()
+        sent = sample(etcd.metrics_url).requests.get("Txn", 0)
+        for _ in range(5):
+            store.wait(["c"], timeout=1)  # existence only: the counter's value is not read
+        assert sample(etcd.metrics_url).requests.get("Txn", 0) == sent, before
+
+
+def test_read_of_a_counter_gives_a_token_that_adds_invalidate(etcd, prefix):
+    store, other = _stores(etcd, prefix, 2)
+    try:
+        store.add("c", 5)
+        found = store.read("c")
+        assert found is not None and found.value == b"5"  # folded into a plain decimal
+        other.add("c", 1)
+        ok, _ = store.put_if("c", "100", mod_revision=found.mod_revision)
+        assert not ok  # the add is not lost by a put_if on the old token
+        assert store.get("c") == b"6"
+    finally:
+        _close([store, other])
+
+
+def test_no_sequence_of_writes_forges_a_counter_marker(etcd, prefix):
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix) as store:
+        store.set("f", MARK[:9])
+        with pytest.raises(InvalidInputError, match="reserved"):
+            store.append("f", MARK[9:] + b"abc")
+        assert store.get("f") == MARK[:9]  # nothing written
+
+
+def test_many_deltas_are_compacted_so_reads_stay_small(etcd, prefix):
+    store, other = _stores(etcd, prefix, 2)
+    try:
+        _all_at_once([store, other], lambda s: [s.add("d", 2) for _ in range(70)])
+        assert store.get("d") == b"280"
+        parts = prefix.encode() + b"\xff\xffcounter/d/delta/"
+        left = list(raw_client(etcd).get_prefix(parts))
+        assert len(left) < 64, len(left)  # folded into the base along the way
+        assert other.add("d", 1) == 281
+    finally:
+        _close([store, other])
+
+
+def test_an_add_racing_a_fold_is_not_lost(etcd, prefix):
+    # Deterministic: another store's add lands between fold's read of the counter and its
+    # Txn; the fold's compare on the parts must fail it, and the append retried.
+    store, other = _stores(etcd, prefix, 2)
+    try:
+        store.add("k", 10)
+        conn = store._writes._conn
+        real = conn.call
+        raced: list[int] = []
+
+        def call(method: str, request: Any, **kwargs: Any) -> Any:
+            if method == "txn" and not raced and any(c.range_end for c in request.compare):
+                raced.append(other.add("k", 1))
+            return real(method, request, **kwargs)
+
+        conn.call = call
+        assert store.append("k", "x") == b"11x"
+        assert raced == [11]
+    finally:
+        _close([store, other])
+
+
+def test_long_names_and_int_subclasses(etcd, prefix):
+    import enum
+
+    class Two(enum.IntEnum):
+        TWO = 2
+
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix) as store:
+        name = "/" * 100_000  # percent-encoded, its parts range alone would be 600 KB
+        store.set(name, "1")
+        assert store.add(name, 1) == 2  # the parts' keys name it by a digest
+        assert store.delete(name)
+        result = store.add("e", Two.TWO)
+        assert result == 2 and type(result) is int
+
+
+def test_the_plain_client_and_the_store_share_one_counter(etcd, prefix):
+    from cachedstore import StoreConfig
+    from cachedstore.client import EtcdClient
+    from cachedstore.connection import Credentials
+    from cachedstore.metrics import NullMetrics
+
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix) as store, \
+            EtcdClient([etcd.endpoint], Credentials(), StoreConfig(), NullMetrics(),
+                       prefix) as client:
+        assert store.add("c", 1) == 1
+        assert client.add("c", 1) == 2
+        assert store.add("c", 3) == 5
+        assert client.add("c", 0) == 5 and client.get("c") == b"5"
