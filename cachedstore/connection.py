@@ -290,8 +290,11 @@ class Connection:
     def check_cluster(self, index: int, header: Any) -> None:
         """Check a response header from endpoint ``index``: the first one seen fixes the
         store's cluster; one from another cluster marks the endpoint foreign (never used
-        again), fails over and raises ClusterMismatchError."""
+        again), fails over and raises ClusterMismatchError. A header without a cluster id
+        (0: etcd's grpc-proxy sends its watch responses so) says nothing either way."""
         cluster_id = int(header.cluster_id)
+        if cluster_id == 0:
+            return
         with self._lock:
             if self._cluster_id is None:
                 self._cluster_id = cluster_id
