@@ -35,6 +35,7 @@ from .errors import (
     StoreClosedError,
     TLSError,
 )
+from .etcdapi import TRANSPORT_FAILURES, Failure
 from .metrics import NullMetrics, StoreMetrics
 
 log = logging.getLogger("cachedstore.connection")
@@ -45,17 +46,6 @@ __all__ = ["Connection", "Credentials", "parse_endpoint", "translate_rpc_error"]
 IDEMPOTENT = "idempotent"  # safe to send again after any transport failure
 UNSENT_ONLY = "unsent-only"  # retried only when the request cannot have reached etcd
 
-_TRANSPORT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-_UNSENT_MARKERS = ("failed to connect", "connection refused", "connect failed",
-                   "dns resolution", "no route to host", "name resolution")
-#: A TLS handshake that *failed verification* (a certificate, an alert, a host name): it
-#: does not fix itself. A handshake that was merely cut short ("Handshake read failed
-#: (Endpoint closing)", a connect deadline over a slow link, or a socket closed mid-way)
-#: carries none of these and is retried like any transport failure.
-_TLS_MARKERS = ("ssl_error", "tsi_protocol_failure", "certificate", "hostname verification",
-                "tls handshake failed", "ssl handshake failed")
-_HOSTNAME_MARKERS = ("hostname verification",)
-_TOKEN_MARKERS = ("invalid auth token", "auth token is expired", "user name is empty")
 #: etcd's require-leader metadata (what etcd's own clients send on watches). A member that
 #: has lost its leader (cut off from its peers) refuses such a request with "no leader"
 #: (Unavailable) instead of answering from its frozen state, and ends such a watch stream
@@ -127,43 +117,41 @@ class Credentials:
 
 
 def translate_rpc_error(exc: grpc.RpcError, method: str) -> CachedStoreError:
-    """A cachedstore error for a gRPC error from etcd (the caller chains ``exc``)."""
-    code = exc.code() if hasattr(exc, "code") else None
-    details = (exc.details() if hasattr(exc, "details") else "") or ""
-    lowered = details.lower()
+    """A cachedstore error for a gRPC error from etcd (the caller chains ``exc``); what
+    the error means comes from :func:`etcdapi.classify`'s table."""
+    failure, code, details = etcdapi.classify_rpc_error(exc)
     where = f"etcd {method}"
-    if code in _TRANSPORT_CODES:
-        if any(m in lowered for m in _HOSTNAME_MARKERS):
-            return TLSError(f"{where}: TLS handshake with etcd failed: the server's "
-                            f"certificate is not valid for the host name or address the "
-                            f"store connected to (hostname mismatch: {details}); use a name "
-                            f"listed in the certificate's subject alternative names")
-        if any(m in lowered for m in _TLS_MARKERS):
-            return TLSError(f"{where}: TLS handshake with etcd failed ({details}); check "
-                            f"ca_cert and the server's certificate")
-        if "handshake" in lowered:  # cut short: too slow a link, or no TLS on the server
-            return EtcdConnectionError(
-                f"{where}: etcd unreachable: the TLS handshake did not complete "
-                f"({code.name}: {details}); is the server serving TLS on this port?")
-        return EtcdConnectionError(f"{where}: etcd unreachable ({code.name}: {details})")
-    if code is grpc.StatusCode.PERMISSION_DENIED:
+    name = code.name if code is not None else type(exc).__name__
+    if failure is Failure.TLS_HOSTNAME:
+        return TLSError(f"{where}: TLS handshake with etcd failed: the server's "
+                        f"certificate is not valid for the host name or address the "
+                        f"store connected to (hostname mismatch: {details}); use a name "
+                        f"listed in the certificate's subject alternative names")
+    if failure is Failure.TLS:
+        return TLSError(f"{where}: TLS handshake with etcd failed ({details}); check "
+                        f"ca_cert and the server's certificate")
+    if failure is Failure.HANDSHAKE_CUT:  # too slow a link, or no TLS on the server
+        return EtcdConnectionError(
+            f"{where}: etcd unreachable: the TLS handshake did not complete "
+            f"({name}: {details}); is the server serving TLS on this port?")
+    if failure in (Failure.UNSENT, Failure.TRANSPORT, Failure.NO_LEADER):
+        return EtcdConnectionError(f"{where}: etcd unreachable ({name}: {details})")
+    if failure is Failure.PERMISSION:
         return EtcdPermissionError(f"{where}: {details}")
-    if "authentication failed" in lowered or "invalid user" in lowered:
+    if failure is Failure.AUTH_FAILED:
         return AuthenticationError(f"{where}: {details}")
-    if "authentication is not enabled" in lowered:
+    if failure is Failure.AUTH_NOT_ENABLED:
         return AuthenticationError(f"{where}: credentials given but {details}")
-    if code is grpc.StatusCode.UNAUTHENTICATED or any(m in lowered for m in _TOKEN_MARKERS):
+    if failure is Failure.TOKEN:
         return AuthenticationError(f"{where}: {details} (are user and password set?)")
-    if code is grpc.StatusCode.RESOURCE_EXHAUSTED or "too large" in lowered \
-            or "too many operations" in lowered:
+    if failure is Failure.TOO_LARGE:
         return InvalidInputError(f"{where}: {details}")
-    if "lease not found" in lowered:
+    if failure is Failure.LEASE_NOT_FOUND:
         return LeaseNotFoundError(f"{where}: {details}")
-    if code is grpc.StatusCode.CANCELLED:
+    if failure is Failure.CANCELLED:
         # Only close() ends a store (call() checks that first): a CANCELLED status from
         # the server or a proxy (RST_STREAM) is a transport failure like any other.
         return EtcdConnectionError(f"{where}: cancelled by etcd or a proxy ({details})")
-    name = code.name if code is not None else type(exc).__name__
     return EtcdError(f"{where}: {name}: {details}")
 
 
@@ -418,23 +406,20 @@ class Connection:
                     started = time.perf_counter()
                 response = _rpc(ep, method)(request, timeout=per_attempt, metadata=metadata)
             except grpc.RpcError as exc:
-                code = exc.code() if hasattr(exc, "code") else None
+                failure, code, _ = etcdapi.classify_rpc_error(exc)
                 self._metrics.rpc(method, code.name if code else "UNKNOWN",
                                   time.perf_counter() - started)
-                details = ((exc.details() if hasattr(exc, "details") else "") or "").lower()
                 if self._closed:
                     raise StoreClosedError("the store is closed") from None
                 if (authenticated and self.has_credentials and not reauthenticated
-                        and any(m in details for m in _TOKEN_MARKERS)):
+                        and failure is Failure.TOKEN):
                     reauthenticated = True
                     self.authenticate(deadline, stale_token=token)
                     continue
-                if code in _TRANSPORT_CODES or "no leader" in details \
-                        or "leader changed" in details:
-                    unsent = code is grpc.StatusCode.UNAVAILABLE and any(
-                        m in details for m in _UNSENT_MARKERS)
+                if failure in TRANSPORT_FAILURES:  # the next endpoint, as deadline and mode allow
+                    unsent = failure is Failure.UNSENT
                     self.failover(index)
-                    if any(m in details for m in _TLS_MARKERS):
+                    if failure in (Failure.TLS, Failure.TLS_HOSTNAME):
                         # A certificate does not fix itself: give up once every endpoint
                         # has refused the handshake, instead of retrying until the deadline.
                         tls_failures += 1

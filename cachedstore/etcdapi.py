@@ -10,17 +10,27 @@ ranges, watch create, progress request and probe: :func:`range_prefix`,
 :func:`watch_create` and :func:`watch_progress` are ready for it).
 
 Keys and values are ``bytes`` (whole etcd keys: the caller applies its prefix).
+
+It also says what etcd's answers mean: :func:`classify` turns a failed call (gRPC status
+code and details) or a watch's cancel reason into a :class:`Failure`, from one table, so
+that the connection layer, the watch and the plain client agree on what a failure is.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from typing import Any
 
+import grpc
 from etcd3 import etcdrpc
 
 __all__ = [
     "EVENT_PUT",
+    "Failure",
+    "TRANSPORT_FAILURES",
+    "classify",
+    "classify_rpc_error",
     "absent",
     "authenticate",
     "delete",
@@ -174,3 +184,92 @@ def watch_create(start: bytes, end: bytes, start_revision: int, *,
 def watch_progress() -> Any:
     """A ``WatchRequest`` asking etcd for a progress response (answered with watch id -1)."""
     return etcdrpc.WatchRequest(progress_request=etcdrpc.WatchProgressRequest())
+
+
+# -- what a failure means ----------------------------------------------------------------------
+class Failure(enum.Enum):
+    """What went wrong with a call to etcd (or why etcd cancelled a watch)."""
+
+    #: A TLS handshake that failed verification: a certificate, a TLS alert. Permanent.
+    TLS = "tls"
+    #: The server's certificate does not name the host connected to. Permanent.
+    TLS_HOSTNAME = "tls-hostname"
+    #: A TLS handshake cut short (a slow link, no TLS on the port): a transport failure.
+    HANDSHAKE_CUT = "handshake-cut"
+    #: The connection could not be made: the request never reached etcd.
+    UNSENT = "unsent"
+    #: A transport failure: the request may or may not have reached etcd.
+    TRANSPORT = "transport"
+    #: The member has no leader (cut off from its peers) or lost it: try another member.
+    NO_LEADER = "no-leader"
+    #: The auth token is invalid or expired: authenticate again.
+    TOKEN = "token"
+    #: A wrong user name or password.
+    AUTH_FAILED = "auth-failed"
+    #: Credentials given to an etcd without auth.
+    AUTH_NOT_ENABLED = "auth-not-enabled"
+    #: The user may not do this (RBAC), or access was revoked.
+    PERMISSION = "permission"
+    #: A request over etcd's size or operation limits.
+    TOO_LARGE = "too-large"
+    #: The lease does not exist (expired or revoked).
+    LEASE_NOT_FOUND = "lease-not-found"
+    #: The revision asked for was compacted.
+    COMPACTED = "compacted"
+    #: Cancelled by the server or a proxy (RST_STREAM), not by us.
+    CANCELLED = "cancelled"
+    #: Anything else.
+    OTHER = "other"
+
+
+#: Failures of the path to one member, not of the request: another member may answer.
+TRANSPORT_FAILURES = frozenset({Failure.TLS, Failure.TLS_HOSTNAME, Failure.HANDSHAKE_CUT,
+                                Failure.UNSENT, Failure.TRANSPORT, Failure.NO_LEADER})
+
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+_TRANSPORT_CODES = frozenset({_UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+#: The table: the first row whose codes (None: any) include the call's code and one of
+#: whose markers (None: none needed) occurs in its lower-cased details decides.
+_TABLE: tuple[tuple[Failure, frozenset[Any] | None, tuple[str, ...] | None], ...] = (
+    (Failure.TLS_HOSTNAME, _TRANSPORT_CODES, ("hostname verification",)),
+    (Failure.TLS, _TRANSPORT_CODES, ("ssl_error", "tsi_protocol_failure", "certificate",
+                                     "tls handshake failed", "ssl handshake failed")),
+    (Failure.HANDSHAKE_CUT, _TRANSPORT_CODES, ("handshake",)),
+    (Failure.UNSENT, frozenset({_UNAVAILABLE}), (
+        "failed to connect", "connection refused", "connect failed", "dns resolution",
+        "no route to host", "name resolution")),
+    (Failure.NO_LEADER, None, ("no leader", "leader changed")),
+    (Failure.TRANSPORT, _TRANSPORT_CODES, None),
+    (Failure.PERMISSION, frozenset({grpc.StatusCode.PERMISSION_DENIED}), None),
+    (Failure.PERMISSION, None, ("permission denied",)),
+    (Failure.AUTH_FAILED, None, ("authentication failed", "invalid user")),
+    (Failure.AUTH_NOT_ENABLED, None, ("authentication is not enabled",)),
+    (Failure.TOKEN, frozenset({grpc.StatusCode.UNAUTHENTICATED}), None),
+    (Failure.TOKEN, None, ("invalid auth token", "auth token is expired",
+                           "user name is empty", "auth token")),
+    (Failure.TOO_LARGE, frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED}), None),
+    (Failure.TOO_LARGE, None, ("too large", "too many operations")),
+    (Failure.LEASE_NOT_FOUND, None, ("lease not found",)),
+    (Failure.COMPACTED, None, ("compacted",)),
+    (Failure.CANCELLED, frozenset({grpc.StatusCode.CANCELLED}), None),
+)
+
+
+def classify(code: Any, details: str) -> Failure:
+    """What a failure means: ``code`` is the gRPC status code (None for a watch's cancel
+    reason, which has none), ``details`` its text. Pure; the table is :data:`_TABLE`."""
+    lowered = details.lower()
+    for failure, codes, markers in _TABLE:
+        if codes is not None and code not in codes:
+            continue
+        if markers is None or any(m in lowered for m in markers):
+            return failure
+    return Failure.OTHER
+
+
+def classify_rpc_error(exc: BaseException) -> tuple[Failure, Any, str]:
+    """:func:`classify` of a ``grpc.RpcError``: (failure, status code or None, details)."""
+    code = exc.code() if hasattr(exc, "code") else None
+    details = (exc.details() if hasattr(exc, "details") else "") or ""
+    return classify(code, details), code, details

@@ -44,6 +44,7 @@ from .clock import SYSTEM_CLOCK, Clock
 from .config import StoreConfig
 from .connection import Connection
 from .errors import CachedStoreError, EtcdPermissionError, StoreClosedError
+from .etcdapi import TRANSPORT_FAILURES, Failure
 from .keys import KeySpace
 from .metrics import NullMetrics, StoreMetrics
 
@@ -52,7 +53,10 @@ __all__ = ["Watcher", "current_revision", "snapshot"]
 log = logging.getLogger("cachedstore.watch")
 
 _PUT = 0  # etcdrpc Event.EventType.PUT; DELETE is 1
-_AUTH_MARKERS = ("auth", "token", "permission")
+#: Why etcd may cancel a watch that renewed credentials can fix (or that says access is gone).
+_AUTH_FAILURES = frozenset({Failure.PERMISSION, Failure.TOKEN, Failure.AUTH_FAILED,
+                            Failure.AUTH_NOT_ENABLED})
+
 
 
 def one_line(exc: BaseException | None) -> str:
@@ -90,7 +94,7 @@ def snapshot(conn: Connection, keyspace: KeySpace, limit: int, deadline: float
     try:
         response = conn.call("range", request, deadline=deadline)
     except CachedStoreError as exc:
-        if "compacted" in str(exc):
+        if etcdapi.classify(None, str(exc)) is Failure.COMPACTED:
             return revision, None
         raise
     name_of = keyspace.name_of
@@ -300,16 +304,14 @@ class Watcher:
                 return "stalled"
             if denied.is_set():
                 return "auth"
-            code = exc.code() if hasattr(exc, "code") else None
-            details = ((exc.details() if hasattr(exc, "details") else "") or "").lower()
-            if code is grpc.StatusCode.UNAUTHENTICATED or "auth token" in details:
-                self._conn.authenticate(self._conn.deadline(),
-                                        stale_token=_token(self._conn))
+            failure = etcdapi.classify_rpc_error(exc)[0]
+            if failure is Failure.TOKEN:
+                self._conn.authenticate(self._conn.deadline(), stale_token=self._conn.token)
                 return "auth"
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if failure in TRANSPORT_FAILURES:  # resume on the next endpoint
                 self._conn.failover(index)
                 return "disconnect"
-            if code is grpc.StatusCode.CANCELLED:
+            if failure is Failure.CANCELLED:
                 return "canceled"
             return "error"
         finally:
@@ -363,10 +365,11 @@ class Watcher:
                 return "compacted"
             reason = response.cancel_reason or "watch canceled by etcd"
             self.last_error = CachedStoreError(reason)
-            if "permission denied" in reason.lower():
+            failure = etcdapi.classify(None, reason)
+            if failure is Failure.PERMISSION:
                 self._revoked()
-            if any(m in reason.lower() for m in _AUTH_MARKERS):
-                self._conn.authenticate(self._conn.deadline(), stale_token=_token(self._conn))
+            if failure in _AUTH_FAILURES:
+                self._conn.authenticate(self._conn.deadline(), stale_token=self._conn.token)
                 return "auth"
             return "canceled"
         if response.created:
@@ -400,7 +403,3 @@ class Watcher:
         self._metrics.events_delete.inc(len(batch) - puts)
         self._metrics.watch_revision.set(self._revision)
         return None
-
-
-def _token(conn: Connection) -> str | None:
-    return conn.token
