@@ -46,6 +46,8 @@ __all__ = ["Connection", "Credentials", "parse_endpoint", "translate_rpc_error"]
 IDEMPOTENT = "idempotent"  # safe to send again after any transport failure
 UNSENT_ONLY = "unsent-only"  # retried only when the request cannot have reached etcd
 
+#: Methods that change nothing: sent to an unchecked member, their answer's header checks it.
+_READS = frozenset({"range", "status"})
 #: etcd's require-leader metadata (what etcd's own clients send on watches). A member that
 #: has lost its leader (cut off from its peers) refuses such a request with "no leader"
 #: (Unavailable) instead of answering from its frozen state, and ends such a watch stream
@@ -391,8 +393,9 @@ class Connection:
             metadata = _metadata(token)
             started = time.perf_counter()
             try:
-                if not ep.checked:
-                    # Never send a request to a member before it is known to be ours.
+                if not ep.checked and method not in _READS:
+                    # Never send a write to a member before it is known to be ours (a read
+                    # is checked by its answer's header, below, and discarded if foreign).
                     status = ep.maintenance.Status(etcdapi.status(),
                                                    timeout=per_attempt, metadata=metadata)
                     self._metrics.rpc("status", "ok", time.perf_counter() - started)
@@ -442,10 +445,17 @@ class Connection:
                     raise StoreClosedError("the store is closed") from None
                 raise EtcdError(f"etcd {method}: {exc}") from exc
             self._metrics.rpc(method, "ok", time.perf_counter() - started)
-            if response.header.cluster_id != self._cluster_id:
-                # The member behind a checked endpoint was replaced by another cluster's
-                # (same address, new data): the answer cannot be used.
-                self.check_cluster(index, response.header)
+            if not ep.checked or response.header.cluster_id != self._cluster_id:
+                # A read's answer checks an unchecked member; and the member behind a
+                # checked endpoint may have been replaced by another cluster's (same
+                # address, new data). Either way a foreign answer is not used.
+                try:
+                    self.check_cluster(index, response.header)
+                except ClusterMismatchError as exc:
+                    if method not in _READS:
+                        raise
+                    mismatch = exc  # a read: ask the next member
+                    continue
             return response
 
     def close(self) -> None:
