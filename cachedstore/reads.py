@@ -14,7 +14,7 @@ wait that ends while etcd is unreachable raises
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -32,6 +32,9 @@ from .waiters import ThreadWaiter
 __all__ = ["MAX_WAIT", "MISSING", "ReadThrough", "Timeout", "absent", "describe", "names_list"]
 
 Timeout = float | timedelta | None
+#: A read's findings: name → (value, mod_revision) of each key found.
+_Results = dict[str, tuple[bytes | None, int]]
+_ReadChunk = Callable[[Sequence[str]], tuple[_Results, int]]
 #: The longest single wait on an event: longer waits loop (Event.wait overflows past ~2^63 ns).
 MAX_WAIT = 3600.0
 #: The least time an etcd round trip of a blocking read is given (see ``_call_deadline``):
@@ -138,26 +141,37 @@ class ReadThrough:
         return entry
 
     # -- etcd reads ---------------------------------------------------------------------------
+    def _filled(self, names: Sequence[str], per_txn: int, read: _ReadChunk
+                ) -> Iterator[tuple[Sequence[str], _Results, int, int]]:
+        """Read ``names`` ``per_txn`` at a time with ``read(chunk)`` → (name → (value,
+        mod_revision) for the keys found, revision), each chunk under the core's fill
+        protocol (``begin`` → read → ``end_fill``, whatever happens). Yields (chunk,
+        results, revision, how many fills the gate refused)."""
+        cache = self._cache
+        for start in range(0, len(names), per_txn):
+            chunk = names[start:start + per_txn]
+            ticket = cache.begin(chunk)
+            results: _Results | None = None
+            revision = 0
+            try:
+                results, revision = read(chunk)
+                if self.after_read is not None:
+                    self.after_read(chunk)
+            finally:
+                dropped = cache.end_fill(chunk, ticket, results, revision)
+            assert results is not None
+            yield chunk, results, revision, dropped
+
     def fetch(self, names: Sequence[str], deadline: float | None = None
               ) -> dict[str, bytes | None]:
         """Read ``names`` from etcd in Txns of up to ``max_txn_ops`` ranges and fill the
         cache through the core's gate. Returns name → value or None (absent). Each round
         trip is bounded by the request timeout and by ``deadline``."""
         out: dict[str, bytes | None] = {}
-        batch = self._config.max_txn_ops
         cache = self._cache
-        for start in range(0, len(names), batch):
-            chunk = names[start:start + batch]
-            ticket = cache.begin(chunk)
-            results: dict[str, tuple[bytes | None, int]] | None = None
-            revision = 0
-            try:
-                results, revision = self._read(chunk, self._call_deadline(deadline))
-                if self.after_read is not None:
-                    self.after_read(chunk)
-            finally:
-                dropped = cache.end_fill(chunk, ticket, results, revision)
-            assert results is not None
+        for chunk, results, revision, dropped in self._filled(
+                names, self._config.max_txn_ops,
+                lambda chunk: self._read(chunk, self._call_deadline(deadline))):
             for name in chunk:
                 value = results.get(name, (None, 0))[0]
                 if dropped:
@@ -169,8 +183,7 @@ class ReadThrough:
                 out[name] = value
         return out
 
-    def _read(self, names: Sequence[str], deadline: float
-              ) -> tuple[dict[str, tuple[bytes | None, int]], int]:
+    def _read(self, names: Sequence[str], deadline: float) -> tuple[_Results, int]:
         key = self._keys.key
         if len(names) == 1:
             response = self._conn.call("range", etcdapi.range_key(key(names[0])),
@@ -181,7 +194,7 @@ class ReadThrough:
                                            for n in names])
             response = self._conn.call("txn", request, deadline=deadline)
             kvs = [r.response_range.kvs for r in response.responses]
-        results = {}
+        results: _Results = {}
         for name, found in zip(names, kvs, strict=True):
             if found:
                 results[name] = (found[0].value, found[0].mod_revision)
@@ -194,30 +207,25 @@ class ReadThrough:
         that holds no counter, its plain value (None if absent). The keys' own states are
         reported to the core as fills."""
         out: dict[str, int | bytes | None] = {}
-        per_txn = max(1, self._config.max_txn_ops // 3)
-        cache = self._cache
-        for start in range(0, len(names), per_txn):
-            chunk = names[start:start + per_txn]
-            ticket = cache.begin(chunk)
-            seen: dict[str, tuple[bytes | None, int]] | None = None
-            revision = 0
-            try:
-                ops = [op for name in chunk
-                       for op in counters.read_ops(counters.Parts(self._keys, name))]
-                response = self._conn.call("txn", etcdapi.txn(success=ops),
-                                           deadline=self._call_deadline(deadline))
-                revision = response.header.revision
-                seen = {}
-                for i, name in enumerate(chunk):
-                    answers = response.responses[3 * i:3 * i + 3]
-                    kvs = answers[0].response_range.kvs
-                    if kvs:
-                        seen[name] = (kvs[0].value, kvs[0].mod_revision)
-                    found = counters.value_of(answers)
-                    out[name] = found if isinstance(found, int) \
-                        else (found.value if found is not None else None)
-            finally:
-                cache.end_fill(chunk, ticket, seen, revision)
+
+        def read(chunk: Sequence[str]) -> tuple[_Results, int]:
+            ops = [op for name in chunk
+                   for op in counters.read_ops(counters.Parts(self._keys, name))]
+            response = self._conn.call("txn", etcdapi.txn(success=ops),
+                                       deadline=self._call_deadline(deadline))
+            seen: _Results = {}
+            for i, name in enumerate(chunk):
+                answers = response.responses[3 * i:3 * i + 3]
+                kvs = answers[0].response_range.kvs
+                if kvs:
+                    seen[name] = (kvs[0].value, kvs[0].mod_revision)
+                found = counters.value_of(answers)
+                out[name] = found if isinstance(found, int) \
+                    else (found.value if found is not None else None)
+            return seen, response.header.revision
+
+        for _ in self._filled(names, max(1, self._config.max_txn_ops // 3), read):
+            pass
         return out
 
     def counter(self, name: object) -> int:

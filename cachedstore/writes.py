@@ -256,8 +256,13 @@ class Writer:
         retried: a racing add leaves it for a later one), so that reads of a counter that
         many ``add(k, n != 1)`` went into stay small. One watch event per COMPACT_AT adds."""
         request = counters.compact_request(parts, added.responses)
-        if request is None:
-            return
+        if request is not None:
+            self._put_if(canonical, request, request.success[0].request_put.value, deadline)
+
+    def _put_if(self, canonical: str, request: Any, data: bytes, deadline: float) -> Any:
+        """Send a Txn whose success branch puts ``data`` under ``canonical`` (and maybe
+        more), under the in-flight protocol: recorded if it succeeded, else only
+        unregistered. Returns etcd's answer."""
         ticket = self._cache.begin([canonical])
         try:
             response = self._conn.call("txn", request, deadline=deadline, retry=UNSENT_ONLY)
@@ -265,10 +270,10 @@ class Writer:
             self._cache.abandon([canonical])
             raise
         if response.succeeded:
-            marker = request.success[0].request_put.value
-            self._cache.end_write([(canonical, marker)], ticket, response.header.revision)
+            self._cache.end_write([(canonical, data)], ticket, response.header.revision)
         else:
             self._cache.abandon([canonical])
+        return response
 
     def fold(self, canonical: str, deadline: float) -> tuple[bytes | None, int]:
         """Turn the counter ``canonical`` back into a plain decimal key (so that ``append``
@@ -284,16 +289,9 @@ class Writer:
             key_kv = response.responses[0].response_range.kvs[0]
             request = counters.fold_request(parts, key_kv, found, response.header.revision)
             text = str(found).encode()
-            ticket = self._cache.begin([canonical])
-            try:
-                folded = self._conn.call("txn", request, deadline=deadline, retry=UNSENT_ONLY)
-            except BaseException:
-                self._cache.abandon([canonical])
-                raise
+            folded = self._put_if(canonical, request, text, deadline)
             if folded.succeeded:
-                self._cache.end_write([(canonical, text)], ticket, folded.header.revision)
                 return text, folded.header.revision
-            self._cache.abandon([canonical])
 
     # -- versioned reads, conditional writes, leases ---------------------------------------------
     def read(self, name: object) -> Versioned | None:
