@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from . import counters, etcdapi
-from .cache import CoherentCache
+from .cache import CoherentCache, Ticket
 from .config import StoreConfig, seconds
 from .connection import UNSENT_ONLY, Connection
 from .counters import parse_int
@@ -62,19 +62,26 @@ class Writer:
         canonical = self._keys.canonical(name)
         return canonical, self._keys.key(canonical)
 
-    def _send(self, method: str, request: Any, writes: Sequence[tuple[str, bytes | None]],
-              deadline: float | None = None) -> Any:
-        """Send one write request under the in-flight protocol; record its writes."""
-        names = [name for name, _ in writes]
+    def _sent(self, method: str, names: Sequence[str], request: Any, deadline: float
+              ) -> tuple[Ticket, Any]:
+        """Send one write request with ``names`` registered in flight (``begin``); the
+        caller reports etcd's answer (``end_write``/``end_fill``/``abandon``). A request
+        that got no answer is abandoned here and its error raised."""
         ticket = self._cache.begin(names)
         try:
-            response = self._conn.call(method, request, retry=UNSENT_ONLY,
-                                       deadline=deadline or self._conn.deadline())
+            response = self._conn.call(method, request, retry=UNSENT_ONLY, deadline=deadline)
             if self.after_write is not None:
                 self.after_write(names)
         except BaseException:
             self._cache.abandon(names)
             raise
+        return ticket, response
+
+    def _send(self, method: str, request: Any, writes: Sequence[tuple[str, bytes | None]],
+              deadline: float | None = None) -> Any:
+        """Send one write request under the in-flight protocol; record its writes."""
+        ticket, response = self._sent(method, [name for name, _ in writes], request,
+                                      deadline or self._conn.deadline())
         self._cache.end_write(writes, ticket, response.header.revision)
         return response
 
@@ -137,14 +144,7 @@ class Writer:
                         *also],
             [etcdapi.op_range(etcdapi.range_key(key))])
         cache = self._cache
-        ticket = cache.begin([canonical])
-        try:
-            response = self._conn.call("txn", request, deadline=deadline, retry=UNSENT_ONLY)
-            if self.after_write is not None:
-                self.after_write([canonical])
-        except BaseException:
-            cache.abandon([canonical])
-            raise
+        ticket, response = self._sent("txn", [canonical], request, deadline)
         revision = response.header.revision
         if response.succeeded:
             put = response.responses[0].response_put
@@ -191,15 +191,8 @@ class Writer:
         deadline = self._conn.deadline()
         cache = self._cache
         while True:
-            ticket = cache.begin([canonical])
-            try:
-                response = self._conn.call("txn", counters.add_request(parts, amount),
-                                           deadline=deadline, retry=UNSENT_ONLY)
-                if self.after_write is not None:
-                    self.after_write([canonical])
-            except BaseException:
-                cache.abandon([canonical])
-                raise
+            ticket, response = self._sent("txn", [canonical],
+                                          counters.add_request(parts, amount), deadline)
             revision = response.header.revision
             outcome, result = counters.add_result(response, amount)
             if outcome == "created":
@@ -263,12 +256,7 @@ class Writer:
         """Send a Txn whose success branch puts ``data`` under ``canonical`` (and maybe
         more), under the in-flight protocol: recorded if it succeeded, else only
         unregistered. Returns etcd's answer."""
-        ticket = self._cache.begin([canonical])
-        try:
-            response = self._conn.call("txn", request, deadline=deadline, retry=UNSENT_ONLY)
-        except BaseException:
-            self._cache.abandon([canonical])
-            raise
+        ticket, response = self._sent("txn", [canonical], request, deadline)
         if response.succeeded:
             self._cache.end_write([(canonical, data)], ticket, response.header.revision)
         else:

@@ -18,6 +18,7 @@ from cachedstore.errors import (
     TLSError,
 )
 from cachedstore.keys import KeySpace, prefix_range_end, to_value
+from tests.util import FakeRpcError
 
 
 def test_backoff_grows_caps_and_jitters():
@@ -86,19 +87,6 @@ def test_credentials_never_show_the_password():
     assert "s3cret" not in repr(creds)
     with pytest.raises(InvalidInputError):
         Credentials(user="alice")
-
-
-class FakeRpcError(grpc.RpcError):
-    """A gRPC status as etcd sends it (pure translation test: no etcd involved)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
 
 
 @pytest.mark.parametrize(("code", "details", "expected"), [

@@ -8,19 +8,9 @@ import pytest
 
 from cachedstore.connection import translate_rpc_error
 from cachedstore.errors import EtcdConnectionError, TLSError
+from tests.util import FakeRpcError
 
 _PREFIX = "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:2379: "
-
-
-class _Status(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
 
 
 @pytest.mark.parametrize(("details", "expected"), [
@@ -37,7 +27,7 @@ class _Status(grpc.RpcError):
     ("Failed to connect to remote host: Connection refused", EtcdConnectionError),
 ])
 def test_connect_failures_are_classified(details: str, expected: type) -> None:
-    error = translate_rpc_error(_Status(grpc.StatusCode.UNAVAILABLE, _PREFIX + details),
+    error = translate_rpc_error(FakeRpcError(grpc.StatusCode.UNAVAILABLE, _PREFIX + details),
                                 "range")
     assert type(error) is expected
     if "Hostname" in details:

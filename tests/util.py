@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import etcd3
+import grpc
 from prometheus_client import CollectorRegistry
 
 from cachedstore.server import LocalEtcd
@@ -50,3 +51,16 @@ def rpc_count(registry: CollectorRegistry | None, method: str) -> float:
                 if s.name.endswith("_total") and s.labels.get("method") == method:
                     total += s.value
     return total
+
+
+class FakeRpcError(grpc.RpcError):
+    """A gRPC status as etcd sends it (pure translation test: no etcd involved)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
