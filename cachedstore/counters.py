@@ -21,8 +21,13 @@ the sum needs, all at the Txn's revision; else, in a nested Txn, "the key is abs
 create it with base ``n`` (and clear any parts left by an earlier life of the counter).
 Both branches are one raft proposal; each ``add`` returns a distinct value, and the values
 of W concurrent ``add(k, 1)`` are 1..W. Only a key holding a plain value that someone
-``set`` needs a compare-and-swap to convert it (:func:`convert_request`), once.
+``set`` needs a compare-and-swap to convert it (``Writer.add``), once.
 ``add(name, 0)`` is a read-only Txn: no proposal, no revision, no event.
+
+Upkeep: an ``add`` that read :data:`COMPACT_AT` deltas folds them into the base
+(:func:`compact_request`); ``append``, ``compare_set`` and ``read`` turn a counter back into
+a plain decimal first (:func:`fold_request`); names over 200 bytes are named in the parts'
+keys by a digest, so that an ``add`` or ``delete`` never carries a name three times over.
 
 What a plain etcd client sees: the key holds ``"\\x00cachedstore:counter\\x00<base>"``; the
 parts are listed above. ``get`` through a store returns the decimal value.
@@ -44,13 +49,13 @@ from .errors import NotAnIntegerError
 from .keys import KeySpace, prefix_range_end
 
 __all__ = [
+    "COMPACT_AT",
     "MARK",
     "CounterMark",
     "Parts",
     "add_request",
     "add_result",
     "base_of",
-    "COMPACT_AT",
     "clear",
     "compact_request",
     "fold_request",
