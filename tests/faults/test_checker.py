@@ -129,7 +129,7 @@ def test_short_run_small_cache_delayed_applies_compaction_resyncs(
                for v in _rechecked(report, read_after_applying_everything))
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize(("sabotage", "processes", "seconds"),
                          [("no-marks", 3, 6.0), ("no-gate", 3, 8.0)])
 def test_the_modes_catch_a_reverted_fix(etcd_factory: Callable[..., LocalEtcd],
@@ -140,12 +140,23 @@ def test_the_modes_catch_a_reverted_fix(etcd_factory: Callable[..., LocalEtcd],
     older event re-installs a key after the process wrote or read something newer.
     ``no-gate`` (rule 3: a fill or write in flight is never refused): a read or write
     installs a state older than an event applied meanwhile, once the key was evicted in
-    between (measured: 6 to 16 violations per 8 s run in 4 seeds)."""
-    config = _hard(CheckerConfig(seed=_seed(), processes=processes, duration=seconds,
-                                 sabotage=sabotage))
-    report = run(config, etcd_factory().endpoint, tmp_path)
-    print("\n" + report.summary())
-    assert report.violations, f"the reverted fix went unnoticed: {report.summary()}"
+    between (measured: 6 to 16 violations per 8 s run in 4 seeds). Detection is a matter of
+    the schedule a seed draws (about 1 run in 10 of 6 s finds nothing): up to 3 seeds are
+    tried, and the test fails only if none of them finds the violation."""
+    first = _seed()
+    summaries = []
+    for attempt in range(3):
+        config = _hard(CheckerConfig(seed=first + attempt, processes=processes,
+                                     duration=seconds, sabotage=sabotage))
+        workdir = tmp_path / str(attempt)
+        workdir.mkdir()
+        report = run(config, etcd_factory().endpoint, workdir)
+        print("\n" + report.summary())
+        summaries.append(report.summary())
+        if report.violations:
+            break
+    assert report.violations, "the reverted fix went unnoticed in 3 runs:\n" + \
+        "\n".join(summaries)
     assert all("monotonic" in v or "coherence" in v or "read-your-writes" in v
                for v in report.violations), report.summary()
 
