@@ -57,8 +57,8 @@ def _key_value(kv: Any) -> KeyValue:
 class EtcdClient:
     """A bare etcd v3 client for one prefix: ``get``, ``mget``, ``set``, ``delete``, ``add``.
 
-    Every read is one request; ``add`` is a read then a compare-and-swap Txn until it
-    sticks; a blocking wait is one range plus, while the key is absent, one watch stream on
+    Every read is one request; ``add`` is one Txn in the store's counter layout
+    (``counters.py``); a blocking wait is one range plus, while the key is absent, one watch stream on
     that key. RPCs are counted in ``metrics`` like the store's (watch streams as method
     ``watch``). Not thread-safe (one per thread); every call blocks for its round trips,
     each bounded by ``config.request_timeout``. The constructor authenticates (when

@@ -490,7 +490,8 @@ class EtcdStore:
         """Atomically append ``value`` to the bytes stored under ``name`` (creating the key
         if absent) and return the new value: torch Store's ``append``.
 
-        A compare-and-swap Txn on the key's ``mod_revision``, like :meth:`add`. Raises
+        A compare-and-swap Txn on the key's ``mod_revision`` (a counter is folded back
+        into a plain decimal first). Raises
         InvalidInputError if the result would exceed etcd's request limit, and
         EtcdConnectionError (outcome unknown) if etcd was lost after the request may have
         reached it. Thread-safe, and atomic across processes.

@@ -15,7 +15,7 @@ The same workload runs twice, one phase after the other, under separate key pref
 * **uncached** -- each worker uses :class:`UncachedClient`, a bare etcd v3 client on the same
   connection layer: every read is one etcd request (``mget``: one Txn of ranges), a
   blocking wait is a range plus, while the key is absent, one watch stream on that key, and
-  ``add`` is a read followed by a compare-and-swap Txn. That is what a careful client
+  ``add`` is one Txn in the store's counter layout. That is what a careful client
   without a cache does; it does not poll.
 
 The summary compares operations, hit ratio, latency percentiles and the etcd requests of

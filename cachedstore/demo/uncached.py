@@ -14,7 +14,7 @@ __all__ = ["UNCACHED_MEANS", "UncachedClient"]
 UNCACHED_MEANS = (
     "uncached = a bare etcd v3 client: every read is one etcd request (mget: one Txn of "
     "ranges); a blocking wait is a range plus one watch stream on the key while it is "
-    "absent; add is a read then a compare-and-swap Txn. No polling."
+    "absent; add is one Txn (the store's counter layout). No polling."
 )
 
 #: The contender's class (the demo's name for it).

@@ -138,9 +138,9 @@ class TorchEtcdStore(dist.Store):
     key space. Reads are served from the cache of an :class:`~cachedstore.EtcdStore`, kept
     coherent by one watch on ``prefix``; blocking reads (``get`` of a key not yet set,
     ``wait``, ``multi_get``, ``queue_pop``) wait on that watch, without polling etcd and
-    without a stream per waiter. ``add``, ``compare_set``, ``append``, ``delete_key`` and
-    the queue operations are compare-and-swap Txns on etcd: atomic across processes, never
-    answered from a stale cache entry.
+    without a stream per waiter. ``add`` (one Txn that no other ``add`` can make retry),
+    ``compare_set``, ``append``, ``delete_key`` and the queue operations are Txns on etcd:
+    atomic across processes, never answered from a stale cache entry.
 
     Args:
         host, port: the etcd endpoint, unless ``endpoints`` is given in ``kwargs``.
