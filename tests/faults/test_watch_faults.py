@@ -15,6 +15,7 @@ import pytest
 from cachedstore import EtcdStore
 from cachedstore import connection as connection_module
 from cachedstore.server import LocalEtcd
+from tests.util import FakeRpcError
 
 from . import follows_by_watch, restarts, split, wait_until
 from .proxy import FaultProxy
@@ -22,15 +23,9 @@ from .proxy import FaultProxy
 pytestmark = pytest.mark.timeout(60)
 
 
-class _Cancelled(grpc.RpcError):
-    """What grpc raises when the server or a proxy resets the HTTP/2 stream (RST_STREAM
-    CANCEL): status CANCELLED, as if the call had been cancelled locally."""
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.CANCELLED
-
-    def details(self) -> str:
-        return "Received RST_STREAM with error code 8"
+#: What grpc raises when the server or a proxy resets the HTTP/2 stream (RST_STREAM
+#: CANCEL): status CANCELLED, as if the call had been cancelled locally.
+_CANCELLED = (grpc.StatusCode.CANCELLED, "Received RST_STREAM with error code 8")
 
 
 @pytest.fixture
@@ -63,7 +58,7 @@ def test_cancelled_resync_read_does_not_end_the_watch_thread(
         def cancelled(*args: Any, **kwargs: Any) -> Any:
             armed.clear()
             fired.set()
-            raise _Cancelled()
+            raise FakeRpcError(*_CANCELLED)
 
         return cancelled
 
