@@ -104,9 +104,7 @@ class AsyncFront:
                 if default is MISSING:
                     raise
         if counters.is_mark(value):
-            found = {canonical: value}
-            await self.run(reads.decimals, found)
-            value = found[canonical]
+            value = await self.run(reads.decimal, canonical, value)
         if value is not None:
             return value
         return absent(name, default)

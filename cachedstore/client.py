@@ -180,9 +180,7 @@ class EtcdClient:
                 return amount
             plain: Any = result  # the key's kv: a value someone set
             value = counters.parse_int(plain.value, name) + amount
-            request = etcdapi.txn([etcdapi.unmodified(parts.key, plain.mod_revision)],
-                                  [etcdapi.op_put(etcdapi.put(parts.key, counters.mark(value))),
-                                   counters.clear(parts)])
+            request = counters.convert_request(parts, plain, value)
             if self._conn.call("txn", request, deadline=deadline).succeeded:
                 return value
 

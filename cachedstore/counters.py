@@ -21,7 +21,7 @@ the sum needs, all at the Txn's revision; else, in a nested Txn, "the key is abs
 create it with base ``n`` (and clear any parts left by an earlier life of the counter).
 Both branches are one raft proposal; each ``add`` returns a distinct value, and the values
 of W concurrent ``add(k, 1)`` are 1..W. Only a key holding a plain value that someone
-``set`` needs a compare-and-swap to convert it (``Writer.add``), once.
+``set`` needs a compare-and-swap to convert it (:func:`convert_request`), once.
 ``add(name, 0)`` is a read-only Txn: no proposal, no revision, no event.
 
 Upkeep: an ``add`` that read :data:`COMPACT_AT` deltas folds them into the base
@@ -58,6 +58,7 @@ __all__ = [
     "base_of",
     "clear",
     "compact_request",
+    "convert_request",
     "fold_request",
     "is_mark",
     "mark",
@@ -189,6 +190,14 @@ def compact_request(p: Parts, answers: Sequence[Any]) -> Any | None:
         success.append(etcdapi.op_delete(etcdapi.delete(p.ones)))
     success += [etcdapi.op_delete(etcdapi.delete(kv.key)) for kv in deltas]
     return etcdapi.txn(compares, success)
+
+
+def convert_request(p: Parts, kv: Any, value: int) -> Any:
+    """A compare-and-swap turning a key that holds a plain value (as read: ``kv``) into a
+    counter of ``value``, clearing parts left over from an earlier life. It fails if the
+    key changed since it was read."""
+    return etcdapi.txn([etcdapi.unmodified(p.key, kv.mod_revision)],
+                       [etcdapi.op_put(etcdapi.put(p.key, mark(value))), clear(p)])
 
 
 def fold_request(p: Parts, key_kv: Any, value: int, revision: int) -> Any:

@@ -200,19 +200,18 @@ class ReadThrough:
                 results[name] = (found[0].value, found[0].mod_revision)
         return results, response.header.revision
 
-    def read_counters(self, names: Sequence[str], deadline: float | None = None
-                      ) -> dict[str, int | bytes | None]:
-        """Read the counters ``names`` whole (``counters.py``), in read-only Txns: no raft
-        proposal, no revision, no event. Returns name → the counter's value, or, for a key
-        that holds no counter, its plain value (None if absent). The keys' own states are
-        reported to the core as fills."""
+    def read_counters(self, names: Sequence[str]) -> dict[str, int | bytes | None]:
+        """Read the counters ``names`` whole (``counters.py``), in read-only Txns each
+        bounded by the request timeout: no raft proposal, no revision, no event. Returns
+        name → the counter's value, or, for a key that holds no counter, its plain value
+        (None if absent). The keys' own states are reported to the core as fills."""
         out: dict[str, int | bytes | None] = {}
 
         def read(chunk: Sequence[str]) -> tuple[_Results, int]:
             ops = [op for name in chunk
                    for op in counters.read_ops(counters.Parts(self._keys, name))]
             response = self._conn.call("txn", etcdapi.txn(success=ops),
-                                       deadline=self._call_deadline(deadline))
+                                       deadline=self._call_deadline(None))
             seen: _Results = {}
             for i, name in enumerate(chunk):
                 answers = response.responses[3 * i:3 * i + 3]
@@ -248,6 +247,15 @@ class ReadThrough:
             return
         for name, found in self.read_counters(marked).items():
             values[name] = str(found).encode() if isinstance(found, int) else found
+
+    def decimal(self, canonical: str, value: bytes | None) -> bytes | None:
+        """``value`` as a read returns it: a counter's marker becomes the counter's value
+        in decimal (one round trip, see :meth:`decimals`); None if it was deleted since."""
+        if not counters.is_mark(value):
+            return value
+        found = {canonical: value}
+        self.decimals(found)  # the counter's read also caches the key's current state
+        return found[canonical]
 
     def resolve(self, names: Iterable[str], blocking: bool = False,
                 deadline: float | None = None) -> tuple[dict[str, bytes | None], int]:
@@ -336,9 +344,7 @@ class ReadThrough:
                         raise
             if not counters.is_mark(value):
                 break
-            found = {canonical: value}
-            self.decimals(found)  # the counter's read also caches the key's current state
-            value = found[canonical]
+            value = self.decimal(canonical, value)
             if value is not None or deadline is None:
                 break
             # The counter was deleted meanwhile: a blocking get waits for it again.

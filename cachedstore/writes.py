@@ -131,17 +131,14 @@ class Writer:
 
     # -- compare-and-swap ----------------------------------------------------------------------
     def cas(self, canonical: str, key: bytes, compare: Any, data: bytes, deadline: float,
-            lease: int = 0, prev_kv: bool = False, also: Sequence[Any] = ()
-            ) -> tuple[bool, Any, int]:
+            lease: int = 0, prev_kv: bool = False) -> tuple[bool, Any, int]:
         """One Txn: if ``compare`` holds put ``data``, else read the key. Returns (succeeded,
         kv, revision): on failure the key's kv (None if absent); on success with
         ``prev_kv`` the kv it replaced (None if it created the key). Either way the core
         learns the outcome: the put as a write, the read as a fill through the gate (a
-        caller may return what it read, so a later get must not return anything older).
-        ``also``: more operations of the success branch, on keys outside the names."""
+        caller may return what it read, so a later get must not return anything older)."""
         request = etcdapi.txn(
-            [compare], [etcdapi.op_put(etcdapi.put(key, data, lease=lease, prev_kv=prev_kv)),
-                        *also],
+            [compare], [etcdapi.op_put(etcdapi.put(key, data, lease=lease, prev_kv=prev_kv))],
             [etcdapi.op_range(etcdapi.range_key(key))])
         cache = self._cache
         ticket, response = self._sent("txn", [canonical], request, deadline)
@@ -185,7 +182,7 @@ class Writer:
         """``amount != 0``: one Txn that no other ``add`` can make fail (see
         ``counters.py``); a key holding a plain decimal is converted to a counter first by
         one compare-and-swap. ``amount == 0`` is :meth:`ReadThrough.counter`'s business."""
-        canonical, key = self._target(name)
+        canonical = self._keys.canonical(name)
         self._check_open()
         parts = counters.Parts(self._keys, canonical)
         deadline = self._conn.deadline()
@@ -210,10 +207,8 @@ class Writer:
             # A plain value someone set: make it a counter (once; retried only if the key
             # changes meanwhile), then add as usual.
             value = parse_int(kv.value, name) + amount
-            succeeded, _, _ = self.cas(canonical, key, etcdapi.unmodified(key, kv.mod_revision),
-                                       counters.mark(value), deadline,
-                                       also=[counters.clear(parts)])
-            if succeeded:
+            request = counters.convert_request(parts, kv, value)
+            if self._put_if(canonical, request, counters.mark(value), deadline).succeeded:
                 return value
 
     def append(self, name: object, value: object) -> bytes:
