@@ -43,6 +43,16 @@ Rules, all enforced here under one lock:
    value: it reads the counter instead (its increments are outside the watched range).
 8. **Waiters** stay registered until their owner removes them (see ``waiters.py``); a put
    wakes exactly the waiters of that key (and of prefixes it falls under).
+9. **Scopes.** Every name belongs to at most one watched scope (``scoping.py``): the root
+   (the whole prefix, one watch) or, when the store watches only what it touched, its
+   directory's. Rules 1-6 hold per scope: each has its own applied revision (etcd orders
+   the events of one watch, not of several on a stream), reset epoch, completeness and
+   mark heap. A name no scope covers is never cached. A scope being opened (its snapshot
+   read in flight) holds the results that end meanwhile and installs those newer than its
+   snapshot when it opens. The floor is per stream: ``NOT_SERVING`` until every scope's
+   watch is created again after the stream went down, then the newest creation revision
+   a scope has not replayed yet. A scope opened on a healthy stream serves its snapshot at
+   once: its watch starts right after it (the lag of any watch).
 
 This class is a little over 300 lines: the rules above share one lock and one state, and
 splitting them would spread one invariant over several objects.
@@ -61,9 +71,11 @@ from cachetools import LRUCache
 
 from .counters import stored
 from .metrics import NullMetrics, StoreMetrics
+from .scoping import Scope
 from .waiters import AsyncWaiter, ThreadWaiter, Waiter
 
-__all__ = ["NOT_SERVING", "AsyncWaiter", "CoherentCache", "Entry", "ThreadWaiter", "Ticket"]
+__all__ = ["NOT_SERVING", "AsyncWaiter", "CoherentCache", "Entry", "Scope", "ThreadWaiter",
+           "Ticket"]
 
 Entry = tuple[bytes | None, int, int]
 #: Floor while the watch is down: no entry is that new, so nothing is served.
@@ -88,28 +100,130 @@ class _LRU(LRUCache):
 
 class CoherentCache:
     """The coherence core of one store. Thread-safe; no method blocks except on its lock,
-    and none does I/O. Waiters are woken after the lock is released."""
+    and none does I/O. Waiters are woken after the lock is released.
 
-    def __init__(self, maxsize: int, metrics: StoreMetrics | NullMetrics) -> None:
+    ``scope_key`` maps a canonical name to its scope's key when the store watches only
+    what it touched (scopes are then opened with :meth:`begin_scope`/:meth:`open_scope`);
+    without it the cache has one root scope covering every name (``root``, the whole
+    prefix's range, is what the watcher watches)."""
+
+    def __init__(self, maxsize: int, metrics: StoreMetrics | NullMetrics,
+                 scope_key: Callable[[str], str] | None = None,
+                 root: tuple[bytes, bytes] = (b"", b"")) -> None:
         self._lock = threading.Lock()
         self._metrics = metrics
         self._lru = _LRU(maxsize, self._evicted)
         self.maxsize = maxsize
         self.floor = NOT_SERVING
-        #: Newest revision whose events have all been applied (events and resync points).
-        self.applied_revision = 0
+        self._stream_up = False
         self._epoch = 0
-        self._epoch_revision = 0
+        self._scope_key = scope_key
+        self._scopes: dict[str, Scope] = {}
+        self._root: Scope | None = None
+        if scope_key is None:
+            self._root = Scope(None, *root)
+            self._root.awaiting_create = True
         self._inflight: dict[str, int] = {}
         self._dirty: dict[str, int] = {}
         self._marks: dict[str, int] = {}
-        self._mark_heap: list[tuple[int, str]] = []
         self._waiters: dict[str, list[Waiter]] = {}
         self._prefix_waiters: dict[str, list[Waiter]] = {}
         self._n_waiters = 0
-        #: True while every key under the prefix that exists has an entry here.
-        self.complete = False
         self.closed = False
+
+    # -- scopes -----------------------------------------------------------------------------
+    def _scope_of(self, name: str) -> Scope | None:
+        root = self._root
+        if root is not None:
+            return root
+        scope_key = self._scope_key
+        return None if scope_key is None else self._scopes.get(scope_key(name))
+
+    def _all_scopes(self) -> list[Scope]:
+        root = self._root
+        return [root] if root is not None else list(self._scopes.values())
+
+    def scope_of(self, name: str) -> Scope | None:
+        """The scope covering canonical ``name`` (opening or open), or None."""
+        with self._lock:
+            return self._scope_of(name)
+
+    def watched_scopes(self) -> list[Scope]:
+        """The open scopes: what the watch stream must watch, each from its ``applied``+1."""
+        with self._lock:
+            return [s for s in self._all_scopes() if not s.opening]
+
+    @property
+    def scoped(self) -> bool:
+        """True while the cache holds only the scopes a store touched (no root)."""
+        return self._root is None
+
+    @property
+    def n_scopes(self) -> int:
+        return len(self._all_scopes())
+
+    @property
+    def applied_revision(self) -> int:
+        """Newest revision whose events have been applied in every open scope (0: none)."""
+        with self._lock:
+            applied = [s.applied for s in self._all_scopes() if not s.opening]
+        return min(applied, default=0)
+
+    @property
+    def complete(self) -> bool:
+        """True while the root scope holds every key under the prefix that exists."""
+        root = self._root
+        return root is not None and root.complete and not root.opening
+
+    def begin_scope(self, key: str, start: bytes, end: bytes) -> Scope:
+        """Register the scope ``key`` (range ``[start, end)``) before its snapshot is read:
+        results that end meanwhile are held for :meth:`open_scope`. Returns the scope
+        already registered under ``key`` (opening or open) if there is one."""
+        with self._lock:
+            scope = self._scopes.get(key)
+            if scope is None:
+                scope = Scope(key, start, end)
+                scope.opening = True
+                scope.awaiting_create = not self._stream_up
+                self._scopes[key] = scope
+            return scope
+
+    def abort_scope(self, scope: Scope) -> None:
+        """Forget a scope whose snapshot could not be read (it was never served)."""
+        with self._lock:
+            if scope.opening and self._scopes.get(scope.key or "") is scope:
+                del self._scopes[scope.key or ""]
+                scope.removed = True
+
+    def collapse(self, start: bytes, end: bytes) -> Scope:
+        """Fall back to watching the whole prefix ``[start, end)``: every scope and entry
+        is dropped, and one root scope, opening, covers every name from now on. Open it
+        with :meth:`open_scope` once its snapshot is read."""
+        with self._lock:
+            for scope in self._scopes.values():
+                scope.removed = True
+            self._scopes.clear()
+            self._metrics.entries.dec(len(self._lru))
+            self._lru.clear()
+            self._dirty.clear()
+            self._marks.clear()
+            root = Scope(None, start, end)
+            root.opening = True
+            root.awaiting_create = not self._stream_up
+            self._root = root
+            waiters = self._all_waiters()
+        for waiter in waiters:
+            waiter.nudge()
+        return root
+
+    def open_scope(self, scope: Scope, revision: int,
+                   snapshot: Iterable[tuple[str, bytes, int]] | None,
+                   absent: Iterable[str] = ()) -> None:
+        """Open a scope begun with :meth:`begin_scope` (or :meth:`collapse`) with its state
+        as of ``revision``: :meth:`reset` of it, then the results held meanwhile that are
+        newer are installed. ``absent``: names of the scope to cache as absent as of
+        ``revision`` (the snapshot lacks them). Its watch must start after ``revision``."""
+        self.reset(revision, snapshot, scope, absent)
 
     # -- the hot path --------------------------------------------------------------------
     def lookup(self, name: object) -> Entry | None:
@@ -124,14 +238,17 @@ class CoherentCache:
         return entry
 
     def lookup_or_absent(self, name: str) -> Entry | None:
-        """Like :meth:`lookup`, and while the cache is complete and caught up, a key it does
-        not hold is answered as absent as of the applied revision (no etcd read needed)."""
+        """Like :meth:`lookup`, and while the name's scope is complete and caught up, a key
+        it does not hold is answered as absent as of the scope's applied revision (no etcd
+        read needed)."""
         with self._lock:
             try:
                 entry = self._lru[name]
             except KeyError:
-                if self.complete and self.floor == 0:
-                    return (None, self.applied_revision, 0)
+                if self.floor == 0:
+                    scope = self._scope_of(name)
+                    if scope is not None and scope.complete and not scope.opening:
+                        return (None, scope.applied, 0)
                 return None
         if entry[1] < self.floor:
             return None
@@ -145,11 +262,13 @@ class CoherentCache:
 
     # -- installing ------------------------------------------------------------------------
     def _evicted(self, name: str, entry: Entry) -> None:
-        self.complete = False  # the evicted key's state is no longer known here
-        # Rule 2: an entry ahead of the watch leaves its revision behind.
-        if entry[1] > self.applied_revision and entry[1] > self._marks.get(name, 0):
-            self._marks[name] = entry[1]
-            heapq.heappush(self._mark_heap, (entry[1], name))
+        scope = self._scope_of(name)
+        if scope is not None:
+            scope.complete = False  # the evicted key's state is no longer known here
+            # Rule 2: an entry ahead of the watch leaves its revision behind.
+            if entry[1] > scope.applied and entry[1] > self._marks.get(name, 0):
+                self._marks[name] = entry[1]
+                heapq.heappush(scope.heap, (entry[1], name))
         self._metrics.evictions.inc()
         self._metrics.entries.dec()
 
@@ -186,6 +305,20 @@ class CoherentCache:
             self._dirty[name] = revision
         self._install(name, value, revision, mod_revision, woken)
 
+    def _result(self, name: str, value: bytes | None, revision: int, mod_revision: int,
+                write: bool, woken: _Woken) -> None:
+        """A result the gate let through: held while its scope opens (rule 9), else
+        installed (a write as an update, rule 3)."""
+        scope = self._scope_of(name)
+        if scope is None or scope.removed:
+            return
+        if scope.opening:
+            scope.pending.append((name, value, revision, mod_revision, write))
+        elif write:
+            self._update(name, value, revision, mod_revision, woken)
+        else:
+            self._install(name, value, revision, mod_revision, woken)
+
     @staticmethod
     def _wake(woken: _Woken) -> None:
         for waiter, value in woken:
@@ -193,57 +326,124 @@ class CoherentCache:
 
     # -- the watch -------------------------------------------------------------------------
     def apply_events(self, events: Iterable[tuple[str, bytes | None, int]],
-                     revision: int) -> None:
-        """Apply one watch response: ``(name, value or None, mod_revision)`` in order, all
-        of revisions up to ``revision``. Wakes the waiters of keys that were put."""
+                     revision: int, scope: Scope | None = None) -> None:
+        """Apply one watch response of ``scope`` (default: the root): ``(name, value or
+        None, mod_revision)`` in order, all of its revisions up to ``revision``. Wakes the
+        waiters of keys that were put. A dropped scope's late events are ignored."""
         woken: _Woken = []
         with self._lock:
+            scope = scope or self._root
+            if scope is None or scope.removed or scope.opening:
+                return
             for name, value, mod_revision in events:
                 self._update(name, value, mod_revision, mod_revision, woken)
-            if revision > self.applied_revision:
-                self.applied_revision = revision
-                heap, marks = self._mark_heap, self._marks
+            if revision > scope.applied:
+                scope.applied = revision
+                heap, marks = scope.heap, self._marks
                 while heap and heap[0][0] <= revision:  # rule 2: the watch caught up
                     mark, name = heapq.heappop(heap)
                     if marks.get(name) == mark:
                         del marks[name]
-            if self.floor != NOT_SERVING and revision >= self.floor:
-                self.floor = 0  # caught up with everything up to the creation revision
+            if scope.catch_up_to and revision >= scope.catch_up_to:
+                scope.catch_up_to = 0  # replayed everything up to its creation revision
+                self._refloor()
         self._wake(woken)
 
-    def watch_down(self) -> None:
-        """Stop serving: the watch is not delivering. Safe from any thread."""
-        with self._lock:
+    def _refloor(self) -> None:
+        """Rule 6 over all scopes (under the lock)."""
+        if not self._stream_up or self.closed:
             self.floor = NOT_SERVING
+            return
+        floor = 0
+        for scope in self._all_scopes():
+            if scope.awaiting_create:
+                floor = NOT_SERVING
+                break
+            floor = max(floor, scope.catch_up_to)
+        self.floor = floor
 
-    def watch_up(self, creation_revision: int) -> None:
-        """The watch stream is (re)created at etcd revision ``creation_revision``: serve
-        entries at least that new now, all entries once the replay has reached it."""
+    def watch_down(self) -> None:
+        """Stop serving: the watch stream is not delivering. Safe from any thread."""
+        with self._lock:
+            self._stream_up = False
+            self.floor = NOT_SERVING
+            for scope in self._all_scopes():
+                scope.awaiting_create = True
+
+    def watch_up(self, creation_revision: int, scope: Scope | None = None) -> None:
+        """``scope``'s watch (default: the root's) is (re)created at etcd revision
+        ``creation_revision`` on a healthy stream. After the stream went down, the cache
+        serves entries at least that new until the scope has replayed up to it. With no
+        scope and no root: the stream itself is up (its first watch was created)."""
         with self._lock:
             if self.closed:
                 return
-            self.floor = 0 if self.applied_revision >= creation_revision else creation_revision
+            scope = scope or self._root
+            if scope is not None and scope.awaiting_create and not scope.removed:
+                scope.awaiting_create = False
+                scope.catch_up_to = (creation_revision if scope.applied < creation_revision
+                                     else 0)
+            self._stream_up = True
+            self._refloor()
 
-    def reset(self, revision: int,
-              snapshot: Iterable[tuple[str, bytes, int]] | None = None) -> None:
-        """Forget everything (events were lost, e.g. to compaction, or this is the start);
-        the watch (re)starts after ``revision``. A new epoch begins (rule 4); waiters
-        re-check. ``snapshot``, if given, is every key under the prefix as of ``revision``
-        (name, value, mod_revision): it is loaded and the cache is complete."""
-        with self._lock:
+    def _reset_scope(self, scope: Scope, revision: int,
+                     snapshot: Iterable[tuple[str, bytes, int]] | None,
+                     woken: _Woken) -> None:
+        """Rule 4 for one scope (under the lock)."""
+        if scope is self._root:
             self._metrics.entries.dec(len(self._lru))
             self._lru.clear()
             self._dirty.clear()
             self._marks.clear()
-            self._mark_heap.clear()
-            self._epoch += 1
-            self._epoch_revision = revision
-            self.applied_revision = revision
-            self.complete = snapshot is not None
-            woken: _Woken = []
-            for name, value, mod_revision in snapshot or ():
-                self._install(name, value, revision, mod_revision, woken)  # may evict
+        else:
+            scope_of = self._scope_of
+            gone = [n for n in self._lru if scope_of(n) is scope]
+            for name in gone:
+                del self._lru[name]
+            self._metrics.entries.dec(len(gone))
+            for table in (self._dirty, self._marks):
+                for name in [n for n in table if scope_of(n) is scope]:
+                    del table[name]
+        scope.heap.clear()
+        self._epoch += 1
+        scope.reset_epoch = self._epoch
+        scope.epoch_revision = revision
+        scope.applied = revision
+        scope.catch_up_to = 0  # the snapshot replaces the replay
+        scope.complete = snapshot is not None
+        for name, value, mod_revision in snapshot or ():
+            self._install(name, value, revision, mod_revision, woken)  # may evict
+        if scope.opening:  # rule 9: what ended while the snapshot was read, if newer
+            scope.opening = False
+            for name, held, at, mod_revision, write in scope.pending:
+                if at > revision:
+                    if write:
+                        self._update(name, held, at, mod_revision, woken)
+                    else:
+                        self._install(name, held, at, mod_revision, woken)
+            scope.pending = []
+        self._refloor()
+
+    def reset(self, revision: int,
+              snapshot: Iterable[tuple[str, bytes, int]] | None = None,
+              scope: Scope | None = None, absent: Iterable[str] = ()) -> None:
+        """Forget everything of ``scope`` (default: the root) — events were lost, e.g. to
+        compaction, or this is the start; its watch (re)starts after ``revision``. A new
+        epoch begins (rule 4); waiters re-check. ``snapshot``, if given, is every key of
+        the scope as of ``revision`` (name, value, mod_revision): it is loaded and the
+        scope is complete. An opening scope opens (rule 9). ``absent``: names (of this
+        scope, not in the snapshot) cached as absent as of ``revision``."""
+        woken: _Woken = []
+        with self._lock:
+            scope = scope or self._root
+            if scope is None or scope.removed:
+                return
+            self._reset_scope(scope, revision, snapshot, woken)
+            for name in absent:
+                if self._scope_of(name) is scope:
+                    self._install(name, None, revision, 0, woken)
             waiters = self._all_waiters()
+        self._wake(woken)
         for waiter in waiters:
             waiter.nudge()
 
@@ -259,7 +459,7 @@ class CoherentCache:
 
     def _finish(self, name: str, ticket: Ticket, revision: int) -> bool:
         """Unregister one name; True if a result read or written at ``revision`` may be
-        installed (no newer update meanwhile, no reset it predates)."""
+        installed (no newer update meanwhile, no reset of its scope it predates)."""
         count = self._inflight[name] - 1
         if count:
             self._inflight[name] = count
@@ -267,7 +467,10 @@ class CoherentCache:
         else:
             del self._inflight[name]
             newer = self._dirty.pop(name, 0)
-        if ticket != self._epoch and revision <= self._epoch_revision:
+        scope = self._scope_of(name)
+        if scope is None:
+            return False
+        if ticket < scope.reset_epoch and revision <= scope.epoch_revision:
             return False
         return newer <= revision
 
@@ -276,7 +479,8 @@ class CoherentCache:
         """Finish fills begun with ``ticket``: insert ``results`` (name → (value or None,
         mod_revision); a missing name means absent) read at ``revision``, unless the gate
         refuses them. ``results=None`` (the read failed) only unregisters. Returns how many
-        fills the gate refused (counted in ``cachedstore_fills_dropped_total``)."""
+        fills the gate refused (counted in ``cachedstore_fills_dropped_total``); a name no
+        scope covers is not cached, and not counted."""
         dropped = 0
         woken: _Woken = []
         with self._lock:
@@ -285,10 +489,11 @@ class CoherentCache:
                 if results is None:
                     continue
                 if not allowed:
-                    dropped += 1
+                    if self._scope_of(name) is not None:
+                        dropped += 1
                     continue
                 value, mod_revision = results.get(name, (None, 0))
-                self._install(name, value, revision, mod_revision, woken)
+                self._result(name, value, revision, mod_revision, False, woken)
         if dropped:
             self._metrics.fills_dropped.inc(dropped)
         self._wake(woken)
@@ -303,7 +508,7 @@ class CoherentCache:
         with self._lock:
             for name, value in writes:
                 if self._finish(name, ticket, revision):
-                    self._update(name, value, revision, revision, woken)
+                    self._result(name, value, revision, revision, True, woken)
         self._wake(woken)
 
     def abandon(self, names: Iterable[str]) -> None:
@@ -317,7 +522,7 @@ class CoherentCache:
         recorded late without registration can be overtaken by newer events)."""
         woken: _Woken = []
         with self._lock:
-            self._update(name, value, revision, revision, woken)
+            self._result(name, value, revision, revision, True, woken)
         self._wake(woken)
 
     # -- waiters ---------------------------------------------------------------------------------
@@ -385,6 +590,7 @@ class CoherentCache:
         ``closed``)."""
         with self._lock:
             self.closed = True
+            self._stream_up = False
             self.floor = NOT_SERVING
             self._metrics.entries.dec(len(self._lru))
             self._lru.clear()

@@ -7,7 +7,7 @@ import random
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
-__all__ = ["Backoff", "StoreConfig", "seconds"]
+__all__ = ["WATCH_SCOPES", "Backoff", "StoreConfig", "seconds"]
 
 
 def seconds(value: float | timedelta | None, what: str = "timeout") -> float | None:
@@ -65,6 +65,10 @@ class Backoff:
         return base * (1.0 - self.jitter * draw)
 
 
+#: The values of :attr:`StoreConfig.watch_scope`.
+WATCH_SCOPES = ("prefix", "touched")
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     """Settings of an :class:`~cachedstore.EtcdStore`; every keyword of the store maps here.
@@ -115,12 +119,31 @@ class StoreConfig:
     #: read (a blocking ``get``/``mget``/``wait`` of a key not yet written costs no request).
     #: 0 disables it.
     preload_limit: int = 10_000
+    #: What the store's one watch stream covers. ``"prefix"``: the whole prefix (every
+    #: store receives every write under it; its cache can be preloaded whole).
+    #: ``"touched"``: only the *scopes* its reads touched, each one etcd watch on the
+    #: stream: a name's directory (``"group/"`` for ``"group/key"``), or a name without
+    #: ``/`` itself. The first read in a scope reads the scope whole (one range, at most
+    #: ``preload_limit`` keys kept); later reads in it are served as in ``"prefix"`` mode.
+    #: A rank of a torch job then receives the writes of its own process groups only.
+    watch_scope: str = "prefix"
+    #: With ``watch_scope="touched"``: the most scopes watched. Touching one more makes the
+    #: store fall back to watching its whole prefix (once, for good).
+    max_watches: int = 64
     #: One ``get``/``aget`` call in this many is timed into
     #: ``cachedstore_request_duration_seconds`` (hits and misses alike, so its quantiles are
     #: unbiased); 1 times every call at about 0.7 µs more per cache hit. Counts are exact.
     latency_sample_every: int = 16
     #: Retry policy of the watch stream and of connection attempts.
     backoff: Backoff = field(default_factory=Backoff)
+
+    def __post_init__(self) -> None:
+        if self.watch_scope not in WATCH_SCOPES:
+            from .errors import InvalidInputError
+
+            raise InvalidInputError(
+                f"watch_scope must be one of {', '.join(map(repr, WATCH_SCOPES))}, "
+                f"got {self.watch_scope!r}")
 
     def with_overrides(self, **overrides: object) -> StoreConfig:
         """A copy with the given fields replaced (``None`` values are ignored)."""
@@ -130,7 +153,7 @@ class StoreConfig:
             if name in given:
                 given[name] = seconds(given[name], name)  # type: ignore[arg-type]
         for name in ("cache_size", "max_txn_ops", "max_request_bytes", "latency_sample_every",
-                     "preload_limit"):
+                     "preload_limit", "max_watches"):
             if name in given:
                 value = given[name]
                 lowest = 0 if name == "preload_limit" else 1

@@ -75,7 +75,7 @@ READ_OPS = ("get", "mget", "aget", "amget", "check", "wait")
 ALL_OPS = READ_OPS + ("set", "mset", "add", "compare_set", "append", "delete", "num_keys")
 #: Why the watch stream had to be restarted.
 RESTART_REASONS = (
-    "disconnect", "compacted", "canceled", "stalled", "auth", "ended", "error",
+    "disconnect", "compacted", "canceled", "stalled", "auth", "ended", "error", "rescoped",
 )
 
 #: The names of every metric family cachedstore exports (without the _bucket/_sum suffixes).
@@ -90,6 +90,7 @@ METRIC_NAMES = (
     "cachedstore_watch_restarts_total",
     "cachedstore_watch_up",
     "cachedstore_watch_revision",
+    "cachedstore_watch_scopes",
     "cachedstore_waiters",
     "cachedstore_fills_dropped_total",
     "cachedstore_stale_reads_total",
@@ -191,6 +192,11 @@ class _Families:
             "cachedstore_watch_revision",
             "Newest etcd revision the watch has confirmed.",
             multiprocess_mode="livemax", **kw)
+        self.watch_scopes = Gauge(
+            "cachedstore_watch_scopes",
+            "Watches on the store's stream: the scopes it touched (watch_scope=touched), "
+            "else 1 (summed over stores).",
+            multiprocess_mode="livesum", **kw)
         self.waiters = Gauge(
             "cachedstore_waiters",
             "Blocked gets and waits right now.",
@@ -206,7 +212,8 @@ class _Families:
         registry.register(_StoreCollector([
             self.cache_requests, self.request_duration, self.etcd_requests,
             self.etcd_duration, self.cache_entries, self.cache_evictions, self.watch_events,
-            self.watch_restarts, self.watch_up, self.watch_revision, self.waiters,
+            self.watch_restarts, self.watch_up, self.watch_revision, self.watch_scopes,
+            self.waiters,
             self.fills_dropped, self.stale_reads]))
 
 
@@ -279,6 +286,7 @@ class StoreMetrics:
         self.events_delete = f.watch_events.labels("delete")
         self.watch_up = f.watch_up
         self.watch_revision = f.watch_revision
+        self.watch_scopes = f.watch_scopes
         self.waiters = f.waiters
         self.fills_dropped = f.fills_dropped
         self.stale_reads = f.stale_reads
@@ -331,7 +339,7 @@ class NullMetrics:
         self.miss = dict.fromkeys(READ_OPS, null)
         self.duration = dict.fromkeys(ALL_OPS, null)
         self.entries = self.evictions = self.events_put = self.events_delete = null
-        self.watch_up = self.watch_revision = self.waiters = null
+        self.watch_up = self.watch_revision = self.watch_scopes = self.waiters = null
         self.fills_dropped = self.stale_reads = null
         self.restarts = dict.fromkeys(RESTART_REASONS, null)
 

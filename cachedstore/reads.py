@@ -27,6 +27,7 @@ from .counters import parse_int
 from .errors import EtcdConnectionError, InvalidTypeError, KeyNotFoundError, StoreTimeoutError
 from .keys import KeySpace
 from .metrics import NullMetrics, StoreMetrics
+from .opener import ScopeOpener
 from .waiters import ThreadWaiter
 
 __all__ = ["MAX_WAIT", "MISSING", "ReadThrough", "Timeout", "absent", "describe", "names_list"]
@@ -97,7 +98,8 @@ class ReadThrough:
 
     def __init__(self, conn: Connection, keys: KeySpace, cache: CoherentCache,
                  config: StoreConfig, metrics: StoreMetrics | NullMetrics, clock: Clock,
-                 check_open: Callable[[], None], stale_allowed: Callable[[], bool]) -> None:
+                 check_open: Callable[[], None], stale_allowed: Callable[[], bool],
+                 opener: ScopeOpener) -> None:
         self._conn = conn
         self._keys = keys
         self._cache = cache
@@ -106,6 +108,7 @@ class ReadThrough:
         self._clock = clock
         self._check_open = check_open
         self._stale_allowed = stale_allowed
+        self._opener = opener
         self.after_read: Callable[[Sequence[str]], None] | None = None
 
     # -- deadlines ---------------------------------------------------------------------------
@@ -169,6 +172,13 @@ class ReadThrough:
         trip is bounded by the request timeout and by ``deadline``."""
         out: dict[str, bytes | None] = {}
         cache = self._cache
+        if cache.scoped:  # a scope opened here answers its names: no read of them
+            for name in self._opener.ensure(names, self._call_deadline(deadline)):
+                entry = cache.peek(name)
+                if entry is not None:  # (a tiny cache may have evicted it already)
+                    out[name] = entry[0]
+            if out:
+                names = [name for name in names if name not in out]
         for chunk, results, revision, dropped in self._filled(
                 names, self._config.max_txn_ops,
                 lambda chunk: self._read(chunk, self._call_deadline(deadline))):

@@ -37,7 +37,9 @@ from .errors import (
 )
 from .keys import KeySpace
 from .metrics import make_metrics
+from .opener import ScopeOpener
 from .reads import MISSING, ReadThrough, Timeout, names_list
+from .scoping import scope_key
 from .watcher import Watcher, snapshot
 from .writes import Versioned, Writer
 
@@ -104,7 +106,10 @@ class EtcdStore:
             ``prometheus_client.REGISTRY`` to use the global one.
         metrics: False to record no metrics at all.
         request_timeout, connect_timeout, stall_timeout, progress_interval, max_staleness,
-        max_txn_ops, max_request_bytes, preload_limit: see :class:`~cachedstore.StoreConfig`.
+        max_txn_ops, max_request_bytes, preload_limit, watch_scope, max_watches: see
+            :class:`~cachedstore.StoreConfig`. ``watch_scope="touched"`` makes the store
+            watch only the directories (``"dir/"``) and names its reads touched: for jobs
+            whose ranks each use a small part of a shared prefix (torch process groups).
         config: a complete :class:`~cachedstore.StoreConfig`; keywords override it.
         clock: where time comes from (:mod:`cachedstore.clock`); tests pass a FakeClock.
     """
@@ -133,6 +138,8 @@ class EtcdStore:
         max_txn_ops: int | None = None,
         max_request_bytes: int | None = None,
         preload_limit: int | None = None,
+        watch_scope: str | None = None,
+        max_watches: int | None = None,
         config: StoreConfig | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
@@ -145,12 +152,15 @@ class EtcdStore:
             connect_timeout=connect_timeout, stall_timeout=stall_timeout,
             progress_interval=progress_interval, max_staleness=max_staleness,
             max_txn_ops=max_txn_ops, max_request_bytes=max_request_bytes,
-            preload_limit=preload_limit)
+            preload_limit=preload_limit, watch_scope=watch_scope, max_watches=max_watches)
         self._config = cfg
         self._clock = clock
         self._keys = KeySpace(prefix, cfg.max_request_bytes)
         self.metrics = make_metrics(registry, metrics)
-        self._cache = CoherentCache(cfg.cache_size, self.metrics)
+        self._cache = CoherentCache(
+            cfg.cache_size, self.metrics,
+            scope_key=scope_key if cfg.watch_scope == "touched" else None,
+            root=(self._keys.range_start, self._keys.range_end))
         if endpoints is not None:
             targets = [parse_endpoint(e) for e in names_list(endpoints, "endpoints")]
         elif not isinstance(host, str):
@@ -162,8 +172,9 @@ class EtcdStore:
                                                      password), cfg, self.metrics,
                                 clock=clock)
         self._id = next(_store_ids)
+        self._opener = ScopeOpener(self._conn, self._keys, self._cache, cfg, self.metrics)
         self._reads = ReadThrough(self._conn, self._keys, self._cache, cfg, self.metrics,
-                                  clock, self._check_open, self._stale_allowed)
+                                  clock, self._check_open, self._stale_allowed, self._opener)
         self._writes = Writer(self._conn, self._keys, self._cache, cfg, self._check_open)
         self._aio = AsyncFront(self._reads, self._keys, self._cache, self.metrics, clock,
                                self._check_open, f"cachedstore-aio-{self._id}")
@@ -190,10 +201,15 @@ class EtcdStore:
         cfg = self._config
         deadline = self._conn.deadline(cfg.connect_timeout)
         self._conn.authenticate(deadline)
-        revision, entries = snapshot(self._conn, self._keys, self._preload_limit(), deadline)
-        self._cache.reset(revision, entries)
+        revision = 0
+        if not self._cache.scoped:  # a touched-scope store reads nothing until it is read
+            revision, entries = snapshot(self._conn, self._keys, self._preload_limit(),
+                                         deadline)
+            self._cache.reset(revision, entries)
         self._watcher = Watcher(self._conn, self._keys, self._cache, cfg, self.metrics,
                                 name=f"cachedstore-watch-{self._id}", clock=self._clock)
+        self._opener.watch = self._watcher.add
+        self._opener.fall_back = self._watcher.rescope
         self._watcher.start(revision)
         if not self._clock.wait(self._watcher.ready,
                                 max(0.0, deadline - self._clock.monotonic())):
@@ -260,6 +276,8 @@ class EtcdStore:
             "watch_up": self.watch_healthy,
             "watch_revision": self._cache.applied_revision,
             "watch_restarts": watcher.restarts if watcher else 0,
+            "watch_scope": "touched" if self._cache.scoped else "prefix",
+            "watch_scopes": self._cache.n_scopes,
             "waiters": self._cache.n_waiters,
             "closed": self._closed,
         }
@@ -606,6 +624,9 @@ class EtcdStore:
         cache = getattr(self, "_cache", None)
         if cache is not None:
             cache.close()
+        opener = getattr(self, "_opener", None)
+        if opener is not None:
+            opener.close()
         watcher = getattr(self, "_watcher", None)
         if watcher is not None:
             watcher.stop(timeout=0)  # flag the stop first, so the cut below is no failure

@@ -1,12 +1,17 @@
 """The one watch stream of a store, on its own thread, keeping the cache coherent.
 
 The stream is driven directly over etcd's gRPC ``Watch`` API (python3-etcd3's ``Watcher``
-dies silently and cannot resume). It covers the store's whole prefix and:
+dies silently and cannot resume). It carries one etcd watch per scope of the cache
+(``scoping.py``): the whole prefix, or, for a store that watches only what it touched, an
+*anchor* (one internal key nobody writes, so that the stream is created, checked and probed
+before any scope exists) and each scope opened since, added on the live stream by
+:meth:`Watcher.add`. etcd answers creates in order, so creation responses are matched to
+scopes first in, first out; events are routed to their scope by watch id. The stream:
 
-- resumes after a disconnect from (last applied event revision + 1), on the next endpoint,
-  after a jittered back-off. Progress responses are *not* used to advance the resume point:
+- resumes after a disconnect, each scope from (its last applied event revision + 1), on
+  the next endpoint, after a jittered back-off. Progress responses are *not* used to advance the resume point:
   etcd before 3.5.8 can send one ahead of events of the same revision;
-- resyncs when etcd reports the resume revision compacted: forgets the cache and starts
+- resyncs a scope whose resume revision etcd reports compacted: forgets it and starts it
   from a fresh revision (never retrying the compacted one);
 - treats a cancel (permission, auth) and a clean end of the stream as failures;
 - sends a progress request whenever the stream has been quiet for ``progress_interval``
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,8 +53,9 @@ from .errors import CachedStoreError, EtcdPermissionError, StoreClosedError
 from .etcdapi import TRANSPORT_FAILURES, Failure
 from .keys import KeySpace
 from .metrics import NullMetrics, StoreMetrics
+from .scoping import Scope
 
-__all__ = ["Watcher", "current_revision", "snapshot"]
+__all__ = ["Watcher", "current_revision", "read_scope", "snapshot"]
 
 log = logging.getLogger("cachedstore.watch")
 
@@ -102,6 +109,38 @@ def snapshot(conn: Connection, keyspace: KeySpace, limit: int, deadline: float
     return revision, [e for e in entries if e[0] is not None]  # type: ignore[misc]
 
 
+def read_scope(conn: Connection, keyspace: KeySpace, scope: Scope, limit: int,
+               deadline: float) -> tuple[int, list[tuple[str, bytes, int]] | None]:
+    """etcd's current revision R and every key of ``scope`` as of R, if it holds at most
+    ``limit`` (None otherwise): one range request of at most ``limit + 1`` keys. Raises
+    cachedstore errors."""
+    request = etcdapi.range_prefix(scope.start, scope.end, limit=max(1, limit + 1),
+                                   count_only=limit <= 0)
+    response = conn.call("range", request, deadline=deadline)
+    revision = int(response.header.revision)
+    if limit <= 0 or response.more or len(response.kvs) > limit:
+        return revision, None
+    name_of = keyspace.name_of
+    entries = [(name_of(kv.key), kv.value, kv.mod_revision) for kv in response.kvs]
+    return revision, [e for e in entries if e[0] is not None]  # type: ignore[misc]
+
+
+class _Stream:
+    """The watches of one stream: creates to send, creates sent and not yet answered
+    (etcd answers them in order), and the scope of each watch id. Guarded by the
+    watcher's ``_scopes_lock``."""
+
+    __slots__ = ("on_stream", "to_send", "awaiting", "by_id", "kick")
+
+    def __init__(self, scopes: list[Scope]) -> None:
+        self.on_stream = set(scopes)
+        self.to_send: deque[Scope] = deque(scopes)
+        self.awaiting: deque[Scope] = deque()
+        self.by_id: dict[int, Scope] = {}
+        #: Set to wake the request side: a create to send, or the stream is over.
+        self.kick = threading.Event()
+
+
 class Watcher:
     """Runs the watch stream of one store on a named daemon thread. ``start`` once,
     ``stop`` once (from ``EtcdStore.close``). Thread-safe state for readers: ``up``,
@@ -121,7 +160,15 @@ class Watcher:
         self._stopping = threading.Event()
         self._call: Any = None
         self._revision = 0
-        self._needs_resync = False
+        #: Scopes whose events were lost (compaction): read afresh before the next stream.
+        self._needs_resync: set[Scope] = set()
+        self._scopes_lock = threading.Lock()
+        self._stream: _Stream | None = None
+        #: A store that watches only what it touched also watches this one internal key,
+        #: which nobody writes: its creation says the stream is up.
+        anchor_key = keyspace.internal + b"anchor"
+        self._anchor = Scope(None, anchor_key, anchor_key + b"\0")
+        self._rescope = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         #: Set once the first stream is created (the constructor waits for it).
         self.ready = threading.Event()
@@ -141,9 +188,31 @@ class Watcher:
         self._stream_was_healthy = False
 
     def start(self, revision: int) -> None:
-        """Start watching every change after ``revision``."""
+        """Start the stream; the cache's scopes were reset at ``revision`` or later."""
         self._revision = revision
         self._thread.start()
+
+    def add(self, scope: Scope) -> None:
+        """Watch ``scope``, just opened in the cache, on the live stream (from its
+        ``applied`` + 1); a stream started later watches it anyway. Thread-safe, does not
+        block."""
+        with self._scopes_lock:
+            stream = self._stream
+            if stream is None or scope in stream.on_stream:
+                return
+            stream.on_stream.add(scope)
+            stream.to_send.append(scope)
+            stream.kick.set()
+
+    def rescope(self, scope: Scope) -> None:
+        """The cache fell back to the root ``scope`` (opening): read it and restart the
+        stream with it; the old watches' late events are ignored by the cache.
+        Thread-safe, does not block."""
+        self._needs_resync.add(scope)
+        self._rescope = True
+        call = self._call
+        if call is not None:
+            call.cancel()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Cancel the stream and join the thread. Idempotent."""
@@ -156,8 +225,8 @@ class Watcher:
         self._set_down()
 
     # -- state -------------------------------------------------------------------------------
-    def _set_up(self, creation_revision: int) -> None:
-        self._cache.watch_up(creation_revision)
+    def _set_up(self, creation_revision: int, scope: Scope | None) -> None:
+        self._cache.watch_up(creation_revision, scope)
         if not self.up:
             self.up = True
             self._metrics.watch_up.inc()
@@ -199,21 +268,30 @@ class Watcher:
                     else logging.DEBUG,
                     "cachedstore watch restarting (%s) from revision %d: %s",
                     reason, self._revision + 1, one_line(self.last_error))
-            if reason == "compacted":
-                self._needs_resync = True
             # A stream that got as far as being created starts the back-off over.
             attempt = 0 if self._stream_was_healthy else attempt + 1
             self._clock.wait(self._stopping, self._config.backoff.delay(attempt))
         self._set_down()
 
     def _resync(self) -> None:
-        """Events were lost: take a fresh revision (and snapshot) first, then forget the
-        cache, so that a fill begun after the reset reads at or after the new start."""
-        revision, entries = snapshot(self._conn, self._keyspace, self._config.preload_limit,
-                                     self._conn.deadline())
-        self._cache.reset(revision, entries)
-        self._revision = revision
-        self._needs_resync = False
+        """Events of some scopes were lost: for each, take a fresh revision (and snapshot)
+        first, then forget the scope, so that a fill begun after the reset reads at or
+        after the new start."""
+        for scope in list(self._needs_resync):
+            if scope.removed:
+                self._needs_resync.discard(scope)
+                continue
+            if scope.key is None:  # the root: the whole prefix
+                revision, entries = snapshot(self._conn, self._keyspace,
+                                             self._config.preload_limit,
+                                             self._conn.deadline())
+            else:
+                revision, entries = read_scope(self._conn, self._keyspace, scope,
+                                               self._config.preload_limit,
+                                               self._conn.deadline())
+            self._cache.reset(revision, entries, scope)
+            self._revision = max(self._revision, revision)
+            self._needs_resync.discard(scope)
 
     def _stream_once(self) -> str:
         """Run one watch stream until it ends; return why it ended (a restart reason)."""
@@ -223,8 +301,27 @@ class Watcher:
         clock = self._clock
         stalled = threading.Event()
         denied = threading.Event()
-        create = etcdapi.watch_create(self._keyspace.range_start, self._keyspace.range_end,
-                                      self._revision + 1)
+        self._rescope = False
+        with self._scopes_lock:  # atomic with add(): every open scope is watched once
+            scopes = self._cache.watched_scopes()
+            if self._cache.scoped:
+                scopes.insert(0, self._anchor)
+            stream = self._stream = _Stream(scopes)
+        anchor = self._anchor
+        lock = self._scopes_lock
+
+        def creates() -> Iterator[Any]:
+            """The creates queued on this stream, each recorded as awaiting its answer."""
+            while True:
+                with lock:
+                    if not stream.to_send:
+                        stream.kick.clear()
+                        return
+                    scope = stream.to_send.popleft()
+                    stream.awaiting.append(scope)
+                yield etcdapi.watch_create(scope.start, scope.end,
+                                           0 if scope is anchor else scope.applied + 1)
+
         progress = etcdapi.watch_progress()
         interval = self._config.progress_interval
         stall_timeout = self._config.stall_timeout
@@ -234,7 +331,7 @@ class Watcher:
             # Runs on gRPC's request-consumer thread; doubles as the stall watchdog and,
             # with credentials, as the access re-check (which never delays the watchdog:
             # it runs after a progress tick, within the time left until the next one).
-            yield create
+            yield from creates()
             next_progress = clock.monotonic() + interval
             next_auth = clock.monotonic() + auth_interval if auth_interval else None
             checked_token = self._conn.token
@@ -243,52 +340,55 @@ class Watcher:
                 wait = next_progress - now
                 if next_auth is not None:
                     wait = min(wait, next_auth - now)
-                if not clock.wait(ended, max(0.0, wait)):
-                    if self._stopping.is_set():
-                        return
-                    now = clock.monotonic()
-                    if now >= next_progress:
-                        next_progress = now + interval
-                        if now - self._stream_contact > stall_timeout:
-                            if not self._progress_answered and self._probe(endpoint,
-                                                                           interval):
-                                # Quiet, not stalled: this endpoint ignores progress
-                                # requests (etcd's grpc-proxy) but answers on the channel.
-                                self._stream_contact = clock.monotonic()
-                                continue
-                            stalled.set()
-                            self._cache.watch_down()  # stop serving now, not after cancel
-                            call.cancel()
-                            return
-                        yield progress
-                    if next_auth is None or auth_interval is None:
-                        continue
-                    token = self._conn.token
-                    if clock.monotonic() < next_auth and token == checked_token:
-                        continue
-                    budget = max(0.05, next_progress - clock.monotonic())
-                    granted = self._access_granted(budget)
-                    if granted is False:
-                        denied.set()
-                        self._revoked()
+                if clock.wait(stream.kick, max(0.0, wait)):
+                    if ended.is_set():
+                        return  # the stream is over
+                    yield from creates()  # a scope was opened
+                    continue
+                if self._stopping.is_set():
+                    return
+                now = clock.monotonic()
+                if now >= next_progress:
+                    next_progress = now + interval
+                    if now - self._stream_contact > stall_timeout:
+                        if not self._progress_answered and self._probe(endpoint,
+                                                                       interval):
+                            # Quiet, not stalled: this endpoint ignores progress
+                            # requests (etcd's grpc-proxy) but answers on the channel.
+                            self._stream_contact = clock.monotonic()
+                            continue
+                        stalled.set()
+                        self._cache.watch_down()  # stop serving now, not after cancel
                         call.cancel()
                         return
-                    if granted:  # None (no answer in time): ask again at the next wake-up
-                        checked_token = self._conn.token  # renewed by the check, if at all
-                        next_auth = clock.monotonic() + auth_interval
+                    yield progress
+                if next_auth is None or auth_interval is None:
                     continue
-                return  # the stream is over
+                token = self._conn.token
+                if clock.monotonic() < next_auth and token == checked_token:
+                    continue
+                budget = max(0.05, next_progress - clock.monotonic())
+                granted = self._access_granted(budget)
+                if granted is False:
+                    denied.set()
+                    self._revoked()
+                    call.cancel()
+                    return
+                if granted:  # None (no answer in time): ask again at the next wake-up
+                    checked_token = self._conn.token  # renewed by the check, if at all
+                    next_auth = clock.monotonic() + auth_interval
+                continue
 
         self._stream_contact = clock.monotonic()
         self._progress_answered = False
         call = endpoint.watch.Watch(request_stream(), metadata=self._conn.metadata())
         self._call = call
-        if self._stopping.is_set():
+        if self._stopping.is_set() or self._rescope:
             call.cancel()
         try:
             for response in call:
                 self._stream_contact = clock.monotonic()
-                reason = self._handle(response, index)
+                reason = self._handle(response, index, stream)
                 if reason is not None:
                     return reason
                 if self._cache.floor == 0:  # caught up: the cache is confirmed current
@@ -299,6 +399,8 @@ class Watcher:
             self.last_error = exc
             if self._stopping.is_set():
                 return "closed"
+            if self._rescope:
+                return "rescoped"
             if stalled.is_set():
                 self._conn.failover(index)
                 return "stalled"
@@ -316,6 +418,9 @@ class Watcher:
             return "error"
         finally:
             ended.set()
+            with lock:
+                stream.kick.set()
+                self._stream = None
             call.cancel()
             self._call = None
 
@@ -353,14 +458,28 @@ class Watcher:
             return False
         return True
 
-    def _handle(self, response: Any, index: int) -> str | None:
+    def _handle(self, response: Any, index: int, stream: _Stream) -> str | None:
         """Apply one watch response from endpoint ``index``; return a restart reason if
         the stream must end. Raises ClusterMismatchError for a stream created on a member
         of another cluster (its member was replaced since it was checked)."""
+        if response.created:  # etcd answers creates in order (also one it refuses)
+            with self._scopes_lock:
+                scope = stream.awaiting.popleft() if stream.awaiting else None
+                if scope is not None:
+                    stream.by_id[response.watch_id] = scope
+        else:
+            scope = stream.by_id.get(response.watch_id)
         if response.canceled:
             if response.compact_revision:
+                if scope is not None and scope is not self._anchor:
+                    self._needs_resync.add(scope)
+                # Every scope not past the compacted revision lost events too.
+                self._needs_resync.update(
+                    s for s in self._cache.watched_scopes()
+                    if s.applied + 1 < response.compact_revision)
+                resume = scope.applied + 1 if scope is not None else self._revision + 1
                 self.last_error = CachedStoreError(
-                    f"revision {self._revision + 1} compacted (etcd compacted up to "
+                    f"revision {resume} compacted (etcd compacted up to "
                     f"{response.compact_revision})")
                 return "compacted"
             reason = response.cancel_reason or "watch canceled by etcd"
@@ -375,14 +494,16 @@ class Watcher:
         if response.created:
             self._conn.check_cluster(index, response.header)
             self._stream_was_healthy = True
-            self._set_up(response.header.revision)
-            self._metrics.watch_revision.set(response.header.revision)
+            self._set_up(response.header.revision, None if scope is self._anchor else scope)
+            self._metrics.watch_revision.set(max(self._revision, response.header.revision))
             return None
         events = response.events
         if not events:  # a progress response: liveness only, never ordering
             self._progress_answered = True
             self._metrics.watch_revision.set(max(self._revision, response.header.revision))
             return None
+        if scope is None or scope is self._anchor:
+            return None  # a watch of a dropped scope (the store fell back to its prefix)
         name_of = self._keyspace.name_of
         batch = []
         puts = 0
@@ -397,7 +518,7 @@ class Watcher:
             else:
                 batch.append((name, None, kv.mod_revision))
         last = events[-1].kv.mod_revision
-        self._cache.apply_events(batch, last)
+        self._cache.apply_events(batch, last, scope)
         self._revision = max(self._revision, last)
         self._metrics.events_put.inc(puts)
         self._metrics.events_delete.inc(len(batch) - puts)

@@ -333,7 +333,9 @@ class _NoMarks(CoherentCache):
     """Rule 2 removed: eviction forgets an entry that is ahead of the watch."""
 
     def _evicted(self, name, entry):
-        self.complete = False
+        scope = self._scope_of(name)
+        if scope is not None:
+            scope.complete = False
 
 
 class _NoMarksMachine(CoreMachine):

@@ -40,10 +40,10 @@ def stepped_watch(store: EtcdStore):
     arrived: queue.Queue[int] = queue.Queue()
     release = threading.Semaphore(0)
 
-    def gated(events, revision):
+    def gated(events, revision, scope=None):
         arrived.put(revision)
         release.acquire(timeout=30)
-        original(events, revision)
+        original(events, revision, scope)
 
     def step() -> int:
         revision = arrived.get(timeout=10)

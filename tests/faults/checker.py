@@ -307,9 +307,9 @@ def _delay_applies(store: Any, cfg: CheckerConfig, rng: random.Random
     cache = store._cache
     apply = cache.apply_events
 
-    def delayed_apply(events: Any, revision: int) -> None:
+    def delayed_apply(events: Any, revision: int, scope: Any = None) -> None:
         pause("apply")
-        apply(events, revision)
+        apply(events, revision, scope)
 
     cache.apply_events = delayed_apply
     store._reads.after_read = lambda names: pause("read")

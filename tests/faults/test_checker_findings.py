@@ -34,10 +34,10 @@ def _hold_watch(store: EtcdStore) -> tuple[threading.Event, threading.Event]:
     held, release = threading.Event(), threading.Event()
     apply = store._cache.apply_events
 
-    def blocked(events, revision):  # type: ignore[no-untyped-def]
+    def blocked(events, revision, scope=None):  # type: ignore[no-untyped-def]
         held.set()
         release.wait(10)
-        apply(events, revision)
+        apply(events, revision, scope)
 
     store._cache.apply_events = blocked  # type: ignore[method-assign]
     return held, release
