@@ -102,14 +102,17 @@ class CoherentCache:
     """The coherence core of one store. Thread-safe; no method blocks except on its lock,
     and none does I/O. Waiters are woken after the lock is released.
 
-    ``scope_key`` maps a canonical name to its scope's key when the store watches only
-    what it touched (scopes are then opened with :meth:`begin_scope`/:meth:`open_scope`);
-    without it the cache has one root scope covering every name (``root``, the whole
-    prefix's range, is what the watcher watches)."""
+    When the store watches only what it touched, scopes are opened with
+    :meth:`begin_scope`/:meth:`open_scope` and ``locate`` finds the scope covering a name
+    among them (``scoping.locate``; ``scope_key``, a name → scope key mapping, is the
+    simple form of it). Without either the cache has one root scope covering every name
+    (``root``, the whole prefix's range, is what the watcher watches)."""
 
     def __init__(self, maxsize: int, metrics: StoreMetrics | NullMetrics,
                  scope_key: Callable[[str], str] | None = None,
-                 root: tuple[bytes, bytes] = (b"", b"")) -> None:
+                 root: tuple[bytes, bytes] = (b"", b""),
+                 locate: Callable[[dict[str, Scope], str], Scope | None] | None = None
+                 ) -> None:
         self._lock = threading.Lock()
         self._metrics = metrics
         self._lru = _LRU(maxsize, self._evicted)
@@ -117,10 +120,13 @@ class CoherentCache:
         self.floor = NOT_SERVING
         self._stream_up = False
         self._epoch = 0
-        self._scope_key = scope_key
+        if locate is None and scope_key is not None:
+            def locate(scopes: dict[str, Scope], name: str) -> Scope | None:
+                return scopes.get(scope_key(name))
+        self._locate = locate
         self._scopes: dict[str, Scope] = {}
         self._root: Scope | None = None
-        if scope_key is None:
+        if locate is None:
             self._root = Scope(None, *root)
             self._root.awaiting_create = True
         self._inflight: dict[str, int] = {}
@@ -136,8 +142,8 @@ class CoherentCache:
         root = self._root
         if root is not None:
             return root
-        scope_key = self._scope_key
-        return None if scope_key is None else self._scopes.get(scope_key(name))
+        locate = self._locate
+        return None if locate is None else locate(self._scopes, name)
 
     def _all_scopes(self) -> list[Scope]:
         root = self._root
@@ -335,7 +341,10 @@ class CoherentCache:
             scope = scope or self._root
             if scope is None or scope.removed or scope.opening:
                 return
+            nested = self._root is None  # ranges may nest: a name's own scope applies it
             for name, value, mod_revision in events:
+                if nested and self._scope_of(name) is not scope:
+                    continue
                 self._update(name, value, mod_revision, mod_revision, woken)
             if revision > scope.applied:
                 scope.applied = revision

@@ -1,13 +1,17 @@
 """Opening the watch scopes that a store's reads touch (``watch_scope="touched"``).
 
-Before a read of a name can be answered from the cache, the name's scope (``scoping.py``)
-must be watched. :class:`ScopeOpener` opens it on the reading thread, once per store:
+Before a read of a name can be answered from the cache, a scope (``scoping.py``) must
+cover the name. :class:`ScopeOpener` opens the missing ones on the reading thread:
 
-1. the core registers the scope as *opening* (results that end meanwhile are held);
-2. one range request reads the scope whole (up to ``preload_limit`` keys) at a revision R;
-3. the core opens the scope with that snapshot as of R: complete, so a key it lacks is
-   known to be absent, and the names the read asked for are cached, found or absent;
-4. the watch stream adds one watch of the scope from R + 1.
+1. it picks, for each directory of the uncovered names, a directory scope (when this read
+   and earlier ones together asked for ``COARSEN_AT`` names directly in it) or one key
+   scope per name;
+2. the core registers them as *opening* (results that end meanwhile are held);
+3. one request (a range, or a Txn of ranges) reads them whole, up to ``preload_limit``
+   keys each, at one revision R;
+4. the core opens each with its snapshot as of R: complete, so a key it lacks is known to
+   be absent, and the names the read asked for are cached, found or absent;
+5. the watch stream adds one watch per scope, from R + 1.
 
 Touching more than ``max_watches`` scopes makes the store fall back, once and for good, to
 watching its whole prefix: the core drops every scope for one root scope, and the watch
@@ -16,6 +20,7 @@ thread reads the prefix and restarts its stream.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterable
 
@@ -24,10 +29,12 @@ from .config import StoreConfig
 from .connection import Connection
 from .keys import KeySpace
 from .metrics import NullMetrics, StoreMetrics
-from .scoping import Scope, ScopeRanges, scope_key
-from .watcher import read_scope
+from .scoping import COARSEN_AT, Scope, ScopeRanges, dir_key, directory_of, key_key
+from .watcher import read_scopes
 
 __all__ = ["ScopeOpener"]
+
+log = logging.getLogger("cachedstore.watch")
 
 
 class ScopeOpener:
@@ -47,8 +54,11 @@ class ScopeOpener:
         self._limit = min(config.preload_limit, config.cache_size)
         self._max_watches = config.max_watches
         self._metrics = metrics
+        self._max_txn_ops = config.max_txn_ops
         self._lock = threading.Lock()
         self._open: set[str] = set()
+        #: Key scopes opened per directory (a directory scope is opened from COARSEN_AT on).
+        self._keyed: dict[str, int] = {}
         #: What this store adds to ``cachedstore_watch_scopes`` (the root counts 1).
         self._counted = 0 if cache.scoped else 1
         metrics.watch_scopes.inc(self._counted)
@@ -60,51 +70,99 @@ class ScopeOpener:
         return len(self._open)
 
     def ensure(self, names: Iterable[str], deadline: float) -> set[str]:
-        """Open the scopes of canonical ``names`` that are not open yet. Returns the names
-        whose scope this call opened: the cache now answers them (found or absent), as
-        fresh as a read. Raises cachedstore errors when etcd cannot be read (the scope
-        stays closed: a later read tries again)."""
-        if not self._cache.scoped:
+        """Open scopes covering the canonical ``names`` that no scope covers yet. Returns
+        the names this call's scopes answer: the cache now holds them (found or absent),
+        as fresh as a read. Raises cachedstore errors when etcd cannot be read (the scopes
+        stay closed: a later read tries again)."""
+        cache = self._cache
+        if not cache.scoped:
             return set()
-        todo: dict[str, list[str]] = {}
-        opened = self._open
-        for name in names:
-            key = scope_key(name)
-            if key not in opened:
-                todo.setdefault(key, []).append(name)
-        answered: set[str] = set()
-        for key, asked in todo.items():
-            if self._open_scope(key, asked, deadline):
-                answered.update(asked)
-        return answered
-
-    def _open_scope(self, key: str, asked: list[str], deadline: float) -> bool:
+        uncovered = [name for name in dict.fromkeys(names) if cache.scope_of(name) is None]
+        if not uncovered:
+            return set()
         with self._lock:
-            cache = self._cache
-            if key in self._open or not cache.scoped:
-                return False
-            if len(self._open) >= self._max_watches:
+            if not cache.scoped:
+                return set()
+            uncovered = [name for name in uncovered if cache.scope_of(name) is None]
+            plan = self._plan(uncovered)
+            if not plan:
+                return set()
+            if len(self._open) + len(plan) > self._max_watches:
                 self._collapse()
-                return False
-            start, end = self._ranges.of(key)
-            scope = cache.begin_scope(key, start, end)
-            try:
-                revision, entries = read_scope(self._conn, self._keys, scope, self._limit,
-                                               deadline)
-            except BaseException:
+                return set()
+            answered: set[str] = set()
+            keys = list(plan)
+            per_txn = max(1, self._max_txn_ops)
+            for i in range(0, len(keys), per_txn):
+                answered |= self._open_scopes({k: plan[k] for k in keys[i:i + per_txn]},
+                                              deadline)
+            return answered
+
+    def ensure_directory(self, directory: str, deadline: float) -> None:
+        """Open a directory scope of ``directory`` (ending with ``/``) unless one covers it
+        already: prefix waiters of names under it (queues) are then woken by the watch.
+        Raises cachedstore errors when etcd cannot be read."""
+        cache = self._cache
+        if not cache.scoped or self._covered(directory):
+            return
+        with self._lock:
+            if not cache.scoped or self._covered(directory):
+                return
+            if len(self._open) + 1 > self._max_watches:
+                self._collapse()
+                return
+            self._open_scopes({dir_key(directory): []}, deadline)
+
+    def _covered(self, directory: str) -> bool:
+        scope = self._cache.scope_of(directory)  # its directory scope, or an ancestor's
+        return scope is not None and (scope.key is None or scope.key[0] == "d")
+
+    def _plan(self, names: list[str]) -> dict[str, list[str]]:
+        """Scope key → the names it is opened for: a directory scope where this read and
+        earlier ones asked for ``COARSEN_AT`` names directly in it, else key scopes."""
+        by_dir: dict[str, list[str]] = {}
+        for name in names:
+            by_dir.setdefault(directory_of(name), []).append(name)
+        plan: dict[str, list[str]] = {}
+        for directory, asked in by_dir.items():
+            if directory and self._keyed.get(directory, 0) + len(asked) >= COARSEN_AT:
+                plan[dir_key(directory)] = asked
+            else:
+                for name in asked:
+                    plan[key_key(name)] = [name]
+        return plan
+
+    def _open_scopes(self, plan: dict[str, list[str]], deadline: float) -> set[str]:
+        cache = self._cache
+        scopes = [cache.begin_scope(key, *self._ranges.of(key)) for key in plan]
+        try:
+            revision, found = read_scopes(self._conn, self._keys, scopes, self._limit,
+                                          deadline)
+        except BaseException:
+            for scope in scopes:
                 cache.abort_scope(scope)
-                raise
+            raise
+        answered: set[str] = set()
+        for scope, (key, asked), entries in zip(scopes, plan.items(), found, strict=True):
             cache.open_scope(scope, revision, entries,
                              absent=asked if entries is not None else ())
             self._open.add(key)
-            self._count(len(self._open))
+            if key[0] == "k":
+                directory = directory_of(key[1:])
+                self._keyed[directory] = self._keyed.get(directory, 0) + 1
+            if entries is not None:
+                answered.update(asked)
             self.watch(scope)
-            return entries is not None
+        self._count(len(self._open))
+        return answered
 
     def _collapse(self) -> None:
         """Too many scopes: watch the whole prefix from now on (under the lock)."""
+        log.warning("cachedstore: this store touched more than max_watches=%d scopes; it "
+                    "watches its whole prefix from now on", self._max_watches)
         root = self._cache.collapse(*self._ranges.root())
         self._open.clear()
+        self._keyed.clear()
         self._count(1)
         self.fall_back(root)
 

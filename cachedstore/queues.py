@@ -194,6 +194,7 @@ def pop(store: EtcdStore, name: str | bytes, block: bool = True,
     if not gate.lock.acquire(timeout=max(0.0, min(budget, threading.TIMEOUT_MAX))):
         raise StoreTimeoutError(f"timed out after {budget:g} s waiting for queue {name!r}")
     prefix = item_prefix(canonical)
+    store._opener.ensure_directory(RESERVED, store._conn.deadline())
     waiter = ThreadWaiter()
     store._cache.add_prefix_waiter(prefix, waiter)
     try:
@@ -261,6 +262,7 @@ def is_nonempty(store: EtcdStore, name: str | bytes) -> bool:
     healthy = store.watch_healthy
     if healthy and (known.says_empty(RESERVED) or known.says_empty(prefix)):
         return False
+    store._opener.ensure_directory(RESERVED, store._conn.deadline())
     fresh = {RESERVED: ThreadWaiter(), prefix: ThreadWaiter()}
     for p, waiter in fresh.items():  # before the count: no put slips by unseen
         store._cache.add_prefix_waiter(p, waiter)

@@ -1,33 +1,77 @@
 """Which watch covers a name: the scopes of a store's watch stream.
 
 A store watches either its whole prefix (one scope, the *root*: the default) or only what
-it touched (``watch_scope="touched"``): then each name belongs to one scope, its
-*directory* (the name up to and including its first ``/``), or, for a name without a
-``/``, the name itself. A scope is watched, and its keys cached, once a read of one of its
-names needed it; the store's watch stream carries one etcd watch per scope. torch puts each
-process group's keys under ``"<group>/"``, so a rank then receives the events of its own
-groups, not the whole job's.
+its reads touched (``watch_scope="touched"``). Then a name is covered by one of:
 
-Scopes never overlap: a directory's range ends before the next directory or top-level
-name, and a name's own range is that one key. :class:`Scope` is the per-scope revision
-state that the coherence core (``cache.py``) keeps: etcd orders the events of one watch,
-but not those of different watches on one stream (a slow stream's watchers are "victims"
-resent later, a new watcher catches up separately), so each scope has its own applied
-revision, reset epoch, completeness and high-water marks.
+- its own *key scope* (one etcd single-key watch), or
+- a *directory scope* (``"dir/"``, a range watch of everything under it), opened instead
+  of key scopes once a store reads ``COARSEN_AT`` names directly in one directory (gloo's
+  all-gather of a group: one watch, not one per rank).
+
+A name's scope is its key scope if there is one, else the deepest open directory scope
+above it (:func:`locate`). A scope is only opened for a name no scope covers yet, so a
+covered name never changes scope. Ranges may nest (a directory scope also receives the
+events of names that have their own scope, or a deeper one): each event is applied only by
+the scope that covers its name, and the others' copies are dropped. torch puts each process
+group's keys under its own directories (``"default_pg/<group>//cpu//0/<rank>"``), so a
+rank then receives the writes of its own groups, not the whole job's.
+
+:class:`Scope` is the per-scope revision state the coherence core (``cache.py``) keeps:
+etcd orders the events of one watch, but not those of different watches on one stream (a
+slow stream's watchers are "victims" resent later, a new watcher catches up separately), so
+each scope has its own applied revision, reset epoch, completeness and high-water marks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from .keys import KeySpace, prefix_range_end
 
-__all__ = ["Scope", "ScopeRanges", "scope_key"]
+__all__ = ["COARSEN_AT", "Scope", "ScopeRanges", "directory_of", "dir_key", "key_key",
+           "locate", "scope_key"]
+
+#: Names read directly in one directory from which the directory is watched as a whole.
+COARSEN_AT = 8
+
+
+def key_key(name: str) -> str:
+    """The scope key of ``name``'s own key scope."""
+    return "k" + name
+
+
+def dir_key(directory: str) -> str:
+    """The scope key of a directory scope (``directory`` ends with ``/``)."""
+    return "d" + directory
+
+
+def directory_of(name: str) -> str:
+    """The directory ``name`` is directly in (up to its last ``/``), "" at the top."""
+    return name[:name.rfind("/") + 1]
 
 
 def scope_key(name: str) -> str:
-    """The key of the scope that covers canonical ``name`` when scoping by what was touched:
-    its directory ``"dir/"``, or the name itself if it has no ``/``."""
+    """The key of the scope that covers canonical ``name`` when every name is its own
+    directory's (``"d" + "dir/"``), or its own key's (``"k" + name``) without a ``/``:
+    the simple mapping (no nesting) the core also accepts."""
     i = name.find("/")
-    return name if i < 0 else name[:i + 1]
+    return key_key(name) if i < 0 else dir_key(name[:i + 1])
+
+
+def locate(scopes: Mapping[str, Scope], name: str) -> Scope | None:
+    """The scope covering ``name``: its key scope, else the deepest directory scope
+    above it, else None."""
+    scope = scopes.get("k" + name)
+    if scope is not None:
+        return scope
+    i = len(name)
+    while True:
+        i = name.rfind("/", 0, i)
+        if i < 0:
+            return None
+        scope = scopes.get("d" + name[:i + 1])
+        if scope is not None:
+            return scope
 
 
 class ScopeRanges:
@@ -43,9 +87,10 @@ class ScopeRanges:
         return self._keys.range_start, self._keys.range_end
 
     def of(self, key: str) -> tuple[bytes, bytes]:
-        """``[start, end)`` of scope ``key``: everything under a directory, or one key."""
-        start = self._keys.key(key)
-        return (start, prefix_range_end(start)) if key.endswith("/") else (start, start + b"\0")
+        """``[start, end)`` of scope ``key``: everything under a directory; for a key
+        scope, the key and an empty end (etcd's single-key watch and read)."""
+        start = self._keys.key(key[1:])
+        return (start, prefix_range_end(start)) if key[0] == "d" else (start, b"")
 
 
 class Scope:

@@ -39,7 +39,7 @@ from .keys import KeySpace
 from .metrics import make_metrics
 from .opener import ScopeOpener
 from .reads import MISSING, ReadThrough, Timeout, names_list
-from .scoping import scope_key
+from .scoping import locate
 from .watcher import Watcher, snapshot
 from .writes import Versioned, Writer
 
@@ -159,7 +159,7 @@ class EtcdStore:
         self.metrics = make_metrics(registry, metrics)
         self._cache = CoherentCache(
             cfg.cache_size, self.metrics,
-            scope_key=scope_key if cfg.watch_scope == "touched" else None,
+            locate=locate if cfg.watch_scope == "touched" else None,
             root=(self._keys.range_start, self._keys.range_end))
         if endpoints is not None:
             targets = [parse_endpoint(e) for e in names_list(endpoints, "endpoints")]

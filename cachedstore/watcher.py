@@ -55,7 +55,7 @@ from .keys import KeySpace
 from .metrics import NullMetrics, StoreMetrics
 from .scoping import Scope
 
-__all__ = ["Watcher", "current_revision", "read_scope", "snapshot"]
+__all__ = ["Watcher", "current_revision", "read_scope", "read_scopes", "snapshot"]
 
 log = logging.getLogger("cachedstore.watch")
 
@@ -109,20 +109,37 @@ def snapshot(conn: Connection, keyspace: KeySpace, limit: int, deadline: float
     return revision, [e for e in entries if e[0] is not None]  # type: ignore[misc]
 
 
+def read_scopes(conn: Connection, keyspace: KeySpace, scopes: list[Scope], limit: int,
+                deadline: float) -> tuple[int, list[list[tuple[str, bytes, int]] | None]]:
+    """etcd's current revision R and, for each of ``scopes``, every key of it as of R if
+    it holds at most ``limit`` (None otherwise): one range request (a Txn of them for
+    several scopes) of at most ``limit + 1`` keys each. Raises cachedstore errors."""
+    requests = [etcdapi.range_prefix(scope.start, scope.end, limit=max(1, limit + 1),
+                                     count_only=limit <= 0) for scope in scopes]
+    if len(requests) == 1:
+        response = conn.call("range", requests[0], deadline=deadline)
+        answers = [response]
+    else:
+        response = conn.call("txn", etcdapi.txn(success=[etcdapi.op_range(r)
+                                                          for r in requests]),
+                             deadline=deadline)
+        answers = [r.response_range for r in response.responses]
+    name_of = keyspace.name_of
+    found: list[list[tuple[str, bytes, int]] | None] = []
+    for answer in answers:
+        if limit <= 0 or answer.more or len(answer.kvs) > limit:
+            found.append(None)
+            continue
+        entries = [(name_of(kv.key), kv.value, kv.mod_revision) for kv in answer.kvs]
+        found.append([e for e in entries if e[0] is not None])  # type: ignore[misc]
+    return int(response.header.revision), found
+
+
 def read_scope(conn: Connection, keyspace: KeySpace, scope: Scope, limit: int,
                deadline: float) -> tuple[int, list[tuple[str, bytes, int]] | None]:
-    """etcd's current revision R and every key of ``scope`` as of R, if it holds at most
-    ``limit`` (None otherwise): one range request of at most ``limit + 1`` keys. Raises
-    cachedstore errors."""
-    request = etcdapi.range_prefix(scope.start, scope.end, limit=max(1, limit + 1),
-                                   count_only=limit <= 0)
-    response = conn.call("range", request, deadline=deadline)
-    revision = int(response.header.revision)
-    if limit <= 0 or response.more or len(response.kvs) > limit:
-        return revision, None
-    name_of = keyspace.name_of
-    entries = [(name_of(kv.key), kv.value, kv.mod_revision) for kv in response.kvs]
-    return revision, [e for e in entries if e[0] is not None]  # type: ignore[misc]
+    """:func:`read_scopes` of one scope."""
+    revision, found = read_scopes(conn, keyspace, [scope], limit, deadline)
+    return revision, found[0]
 
 
 class _Stream:
@@ -264,7 +281,8 @@ class Watcher:
             self.restarts += 1
             self._metrics.restart(reason)
             # Warn once per outage; the retries that follow are logged at debug level.
-            log.log(logging.WARNING if self._stream_was_healthy or attempt == 0
+            log.log(logging.INFO if reason == "rescoped"
+                    else logging.WARNING if self._stream_was_healthy or attempt == 0
                     else logging.DEBUG,
                     "cachedstore watch restarting (%s) from revision %d: %s",
                     reason, self._revision + 1, one_line(self.last_error))

@@ -136,7 +136,10 @@ class TorchEtcdStore(dist.Store):
 
     Every process builds its own store against the same etcd and ``prefix``; they see one
     key space. Reads are served from the cache of an :class:`~cachedstore.EtcdStore`, kept
-    coherent by one watch on ``prefix``; blocking reads (``get`` of a key not yet set,
+    coherent by one watch stream; by default (``watch_scope="touched"``) it watches only
+    the keys and directories this store's reads touched -- a rank's own process groups,
+    not every group of the job -- and falls back to the whole prefix past ``max_watches``
+    (64) of them. ``watch_scope="prefix"`` watches the whole prefix. Blocking reads (``get`` of a key not yet set,
     ``wait``, ``multi_get``, ``queue_pop``) wait on that watch, without polling etcd and
     without a stream per waiter. ``add`` (one Txn that no other ``add`` can make retry),
     ``compare_set``, ``append``, ``delete_key`` and the queue operations are Txns on etcd:
@@ -197,6 +200,9 @@ class TorchEtcdStore(dist.Store):
             shared = _Shared(store, owned=False, spec=None)
         else:
             prefix = DEFAULT_PREFIX if prefix is None else prefix
+            # torch keeps every process group's keys under one store: a rank watches the
+            # directories of its own groups, not the job's (EtcdStore's watch_scope).
+            kwargs.setdefault("watch_scope", "touched")
             spec: dict[str, Any] = {"host": host, "port": port, "prefix": prefix, **kwargs}
             spec.pop("password", None)
             inline = kwargs.get("password") is not None
