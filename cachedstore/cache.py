@@ -200,6 +200,7 @@ class CoherentCache:
             if scope.opening and self._scopes.get(scope.key or "") is scope:
                 del self._scopes[scope.key or ""]
                 scope.removed = True
+                self._refloor()  # it may have been the last scope awaiting its creation
 
     def collapse(self, start: bytes, end: bytes) -> Scope:
         """Fall back to watching the whole prefix ``[start, end)``: every scope and entry
