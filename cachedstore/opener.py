@@ -63,6 +63,9 @@ class ScopeOpener:
         self._counted = 0 if cache.scoped else 1
         metrics.watch_scopes.inc(self._counted)
         self.watch: Callable[[Scope], None] = lambda scope: None
+        #: A test hook: called with the scope keys of every snapshot read after etcd
+        #: answered and before the scopes open.
+        self.after_read: Callable[[list[str]], None] | None = None
         self.fall_back: Callable[[Scope], None] = lambda scope: None
 
     @property
@@ -138,6 +141,8 @@ class ScopeOpener:
         try:
             revision, found = read_scopes(self._conn, self._keys, scopes, self._limit,
                                           deadline)
+            if self.after_read is not None:
+                self.after_read(list(plan))
         except BaseException:
             for scope in scopes:
                 cache.abort_scope(scope)

@@ -324,7 +324,9 @@ def _sabotage(kind: str) -> None:
 
     if kind == "no-marks":  # rule 2 gone: an evicted entry leaves no high-water mark
         def evicted(self: Any, name: str, entry: Any) -> None:
-            self.complete = False
+            scope = self._scope_of(name)
+            if scope is not None:
+                scope.complete = False
             self._metrics.evictions.inc()
             self._metrics.entries.dec()
 

@@ -1,0 +1,196 @@
+"""Watching only what a store touched (``watch_scope="touched"``, ``scoping.py``), against a
+real etcd: what reaches a store (counted by etcd's ``/metrics``), the coherence of the
+scopes it opens, a write racing a scope's opening (forced by a hook, not a sleep), nested
+scopes, and the fall-back to the whole prefix.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from benchmarks.fanout.etcd_metrics import sample as etcd_sample
+from cachedstore import EtcdStore, InvalidInputError, StoreConfig
+from cachedstore.server import LocalEtcd
+from cachedstore.torch import TorchEtcdStore
+from tests.util import eventually, raw_client, rpc_count
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def own_etcd() -> Iterator[LocalEtcd]:
+    """An etcd for this module alone: its /metrics count only these tests' traffic."""
+    with LocalEtcd() as server:
+        yield server
+
+
+def _store(server: LocalEtcd, prefix: str, **kwargs: Any) -> EtcdStore:
+    kwargs.setdefault("watch_scope", "touched")
+    return EtcdStore(endpoints=[server.endpoint], prefix=prefix, **kwargs)
+
+
+def _group_exchange(server: LocalEtcd, prefix: str, scope: str, world: int, groups: int
+                    ) -> tuple[int, int]:
+    """``world`` stores in ``groups`` groups: each sets its key in its group's directory
+    and blocks in ``mget`` of its group's keys (gloo's all-gather). Returns (watch
+    messages etcd sent, deliveries the ranks needed: each rank needs its group's puts)."""
+    stores = [_store(server, prefix, watch_scope=scope) for _ in range(world)]
+    size = world // groups
+    try:
+        before = etcd_sample(server.metrics_url)
+        start = threading.Barrier(world)
+        errors: list[BaseException] = []
+
+        def rank(r: int) -> None:
+            group = r // size
+            names = [f"group{group}/cpu/{i}" for i in range(size)]
+            try:
+                start.wait()
+                stores[r].set(names[r % size], f"addr-{r}")
+                values = stores[r].mget(names, timeout=30)
+                assert values == [f"addr-{group * size + i}".encode() for i in range(size)]
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors[:3]
+        counts = etcd_sample(server.metrics_url).minus(before)
+    finally:
+        for s in stores:
+            s.close()
+    return counts.watch_msgs_sent, world * size
+
+
+def test_a_store_receives_its_groups_writes_not_the_jobs(own_etcd: LocalEtcd) -> None:
+    """16 stores in 4 groups of 4 exchange addresses. Watching the prefix, etcd sends
+    every put to every store (16 × 16 = 256 messages for 64 needed); watching what was
+    touched, each store gets its own group's puts: at most twice what is needed."""
+    touched, needed = _group_exchange(own_etcd, "/scoped/t/", "touched", 16, 4)
+    whole, _ = _group_exchange(own_etcd, "/scoped/p/", "prefix", 16, 4)
+    assert needed == 64
+    assert touched <= 2 * needed, (touched, needed)
+    assert whole >= 16 * 16, whole  # every put reached every store
+
+
+def test_touched_scopes_are_coherent(own_etcd: LocalEtcd) -> None:
+    """A scope opened by a read follows other clients' writes through the watch; a name
+    no scope covers is read from etcd each time, so it is never stale either."""
+    prefix = "/scoped/coherent/"
+    writer = raw_client(own_etcd)
+    writer.put(prefix + "d/x", "1")
+    writer.put(prefix + "e/y", "1")
+    with _store(own_etcd, prefix) as store:
+        assert store.get("d/x") == b"1"
+        writer.put(prefix + "d/x", "2")
+        eventually(lambda: store._cache.peek("d/x")[0] == b"2", what="the watch of d/x")
+        before = rpc_count(store.metrics.registry, "range")
+        assert store.get("d/x") == b"2"
+        assert rpc_count(store.metrics.registry, "range") == before  # served locally
+        writer.put(prefix + "e/y", "2")  # not touched: not watched, read from etcd
+        assert store._cache.peek("e/y") is None
+        assert store.get("e/y") == b"2"
+        # A blocking read of a key not yet written, in a new scope, is woken by its watch.
+        threading.Timer(0.2, lambda: writer.put(prefix + "f/late", "here")).start()
+        assert store.get("f/late", timeout=10) == b"here"
+        assert store.stats()["watch_scope"] == "touched"
+
+
+def test_a_write_that_ends_while_its_scope_opens_is_not_lost(own_etcd: LocalEtcd) -> None:
+    """The opening thread has read the scope's snapshot (v1) but not installed it when
+    this store's own write of v2 returns. Opening must keep the write (read-your-writes):
+    installing the older snapshot over it would serve v1 until the next event."""
+    prefix = "/scoped/race/"
+    raw_client(own_etcd).put(prefix + "k", "v1")
+    with _store(own_etcd, prefix) as store:
+        read, release = threading.Event(), threading.Event()
+
+        def hold(keys: list[str]) -> None:
+            read.set()
+            assert release.wait(10)
+
+        store._opener.after_read = hold
+        opener = threading.Thread(target=store.get, args=("k",))
+        opener.start()
+        assert read.wait(10)
+        store._opener.after_read = None
+        store.set("k", "v2")  # ends while the scope is opening
+        release.set()
+        opener.join(10)
+        assert store.get("k") == b"v2"
+        entry = store._cache.peek("k")
+        assert entry is not None and entry[0] == b"v2"
+
+
+def test_nested_scopes_follow_etcd(own_etcd: LocalEtcd) -> None:
+    """A name read alone gets its own key scope; reading 8 names of its directory then
+    watches the directory whole, whose watch also carries the first name's events. Each
+    name follows etcd through the one scope that covers it, with no read."""
+    prefix = "/scoped/nested/"
+    writer = raw_client(own_etcd)
+    with _store(own_etcd, prefix) as store:
+        assert store.get("g/0", None) is None
+        names = [f"g/{i}" for i in range(1, 9)]
+        assert store.mget(names, default=None) == [None] * 8
+        assert sorted(s.key for s in store._cache._scopes.values()) == ["dg/", "kg/0"]
+        for i in range(9):
+            writer.put(prefix + f"g/{i}", f"v{i}")
+        for i in range(9):
+            eventually(lambda i=i: (store._cache.peek(f"g/{i}") or (None,))[0]
+                       == f"v{i}".encode(), what=f"g/{i} by its watch")
+        before = rpc_count(store.metrics.registry, "range")
+        assert store.mget([f"g/{i}" for i in range(9)]) == [f"v{i}".encode()
+                                                            for i in range(9)]
+        assert rpc_count(store.metrics.registry, "range") == before
+
+
+def test_too_many_scopes_fall_back_to_the_whole_prefix(own_etcd: LocalEtcd) -> None:
+    """Past ``max_watches`` the store watches its whole prefix, once and for good, and
+    stays coherent: another client's write reaches it through the watch, and a blocking
+    read is woken."""
+    prefix = "/scoped/fallback/"
+    writer = raw_client(own_etcd)
+    writer.put(prefix + "a", "1")
+    with _store(own_etcd, prefix, max_watches=3) as store:
+        assert store.mget(["a", "b", "c"], default=None) == [b"1", None, None]
+        assert store.stats()["watch_scopes"] == 3
+        assert store.get("d", None) is None  # the fourth scope
+        assert store.stats()["watch_scope"] == "prefix"
+        eventually(lambda: store.watch_healthy, what="the whole-prefix watch")
+        writer.put(prefix + "zz/untouched", "u")
+        eventually(lambda: store._cache.peek("zz/untouched") is not None,
+                   what="an untouched key to arrive by the whole-prefix watch")
+        threading.Timer(0.2, lambda: writer.put(prefix + "late", "x")).start()
+        assert store.get("late", timeout=10) == b"x"
+
+
+def test_torch_store_watches_what_it_touched(own_etcd: LocalEtcd) -> None:
+    """TorchEtcdStore watches what it touched unless told otherwise."""
+    endpoint = own_etcd.endpoint
+    host, port = endpoint.rsplit(":", 1)
+    store = TorchEtcdStore(host, int(port), prefix="/scoped/torch/")
+    try:
+        assert store._etcd.stats()["watch_scope"] == "touched"
+        store.set("a", "1")
+        assert store.get("a") == b"1"
+    finally:
+        store.close()
+    store = TorchEtcdStore(host, int(port), prefix="/scoped/torch/", watch_scope="prefix")
+    try:
+        assert store._etcd.stats()["watch_scope"] == "prefix"
+    finally:
+        store.close()
+
+
+def test_a_bad_watch_scope_is_refused() -> None:
+    with pytest.raises(InvalidInputError, match="watch_scope"):
+        StoreConfig(watch_scope="some")
+    with pytest.raises(InvalidInputError, match="max_watches"):
+        StoreConfig().with_overrides(max_watches=0)
