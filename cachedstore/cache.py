@@ -343,8 +343,9 @@ class CoherentCache:
             if scope is None or scope.removed or scope.opening:
                 return
             nested = self._root is None  # ranges may nest: a name's own scope applies it
+            reset_at = scope.epoch_revision  # rule 4: a reset's snapshot covers these
             for name, value, mod_revision in events:
-                if nested and self._scope_of(name) is not scope:
+                if mod_revision <= reset_at or (nested and self._scope_of(name) is not scope):
                     continue
                 self._update(name, value, mod_revision, mod_revision, woken)
             if revision > scope.applied:

@@ -121,11 +121,11 @@ class StoreConfig:
     preload_limit: int = 10_000
     #: What the store's one watch stream covers. ``"prefix"``: the whole prefix (every
     #: store receives every write under it; its cache can be preloaded whole).
-    #: ``"touched"``: only the *scopes* its reads touched, each one etcd watch on the
-    #: stream: a name's directory (``"group/"`` for ``"group/key"``), or a name without
-    #: ``/`` itself. The first read in a scope reads the scope whole (one range, at most
-    #: ``preload_limit`` keys kept); later reads in it are served as in ``"prefix"`` mode.
-    #: A rank of a torch job then receives the writes of its own process groups only.
+    #: ``"touched"``: only what its reads touched, one etcd watch per *scope* on the one
+    #: stream: a name's own key, or its whole directory once 8 names directly in that
+    #: directory were read (gloo's all-gather). A new scope costs one read (of the scope
+    #: whole, at most ``preload_limit`` keys kept); reads in it are then served as in
+    #: ``"prefix"`` mode. A torch rank then receives its own process groups' writes only.
     watch_scope: str = "prefix"
     #: With ``watch_scope="touched"``: the most scopes watched. Touching one more makes the
     #: store fall back to watching its whole prefix (once, for good).

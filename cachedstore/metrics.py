@@ -91,6 +91,7 @@ METRIC_NAMES = (
     "cachedstore_watch_up",
     "cachedstore_watch_revision",
     "cachedstore_watch_scopes",
+    "cachedstore_watch_quiet_refreshes_total",
     "cachedstore_waiters",
     "cachedstore_fills_dropped_total",
     "cachedstore_stale_reads_total",
@@ -197,6 +198,10 @@ class _Families:
             "Watches on the store's stream: the scopes it touched (watch_scope=touched), "
             "else 1 (summed over stores).",
             multiprocess_mode="livesum", **kw)
+        self.quiet_refreshes = Counter(
+            "cachedstore_watch_quiet_refreshes_total",
+            "Scopes read afresh after a reconnect because their range had no event to "
+            "replay (etcd's revision moved elsewhere meanwhile).", **kw)
         self.waiters = Gauge(
             "cachedstore_waiters",
             "Blocked gets and waits right now.",
@@ -213,7 +218,7 @@ class _Families:
             self.cache_requests, self.request_duration, self.etcd_requests,
             self.etcd_duration, self.cache_entries, self.cache_evictions, self.watch_events,
             self.watch_restarts, self.watch_up, self.watch_revision, self.watch_scopes,
-            self.waiters,
+            self.quiet_refreshes, self.waiters,
             self.fills_dropped, self.stale_reads]))
 
 
@@ -287,6 +292,7 @@ class StoreMetrics:
         self.watch_up = f.watch_up
         self.watch_revision = f.watch_revision
         self.watch_scopes = f.watch_scopes
+        self.quiet_refreshes = f.quiet_refreshes
         self.waiters = f.waiters
         self.fills_dropped = f.fills_dropped
         self.stale_reads = f.stale_reads
@@ -340,6 +346,7 @@ class NullMetrics:
         self.duration = dict.fromkeys(ALL_OPS, null)
         self.entries = self.evictions = self.events_put = self.events_delete = null
         self.watch_up = self.watch_revision = self.watch_scopes = self.waiters = null
+        self.quiet_refreshes = null
         self.fills_dropped = self.stale_reads = null
         self.restarts = dict.fromkeys(RESTART_REASONS, null)
 

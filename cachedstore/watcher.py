@@ -186,6 +186,8 @@ class Watcher:
         anchor_key = keyspace.internal + b"anchor"
         self._anchor = Scope(None, anchor_key, anchor_key + b"\0")
         self._rescope = False
+        #: Scopes replaying since the stream was created: when first seen so (clock).
+        self._lagging_since: dict[Scope, float] = {}
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         #: Set once the first stream is created (the constructor waits for it).
         self.ready = threading.Event()
@@ -260,6 +262,9 @@ class Watcher:
         attempt = 0
         while not self._stopping.is_set():
             self._stream_was_healthy = False
+            # A fall-back (rescope) from now on cancels the stream built below, however
+            # early it lands: the flag is only cleared here, before the resync it asks.
+            self._rescope = False
             try:
                 if self._needs_resync:
                     self._resync()
@@ -319,7 +324,7 @@ class Watcher:
         clock = self._clock
         stalled = threading.Event()
         denied = threading.Event()
-        self._rescope = False
+        self._lagging_since = {}
         with self._scopes_lock:  # atomic with add(): every open scope is watched once
             scopes = self._cache.watched_scopes()
             if self._cache.scoped:
@@ -442,6 +447,35 @@ class Watcher:
             call.cancel()
             self._call = None
 
+    def _refresh_quiet_scopes(self) -> None:
+        """Read afresh the scopes still replaying, a progress interval after the stream
+        was created: a scope whose range did not change while the stream was down gets no
+        event to end its replay (etcd's revision moved elsewhere), so without this the
+        cache would not be served until that range changed. Runs on the watch thread,
+        which applies no event meanwhile; events the reset covers are then ignored (rule
+        4). A failed read is tried again at the next progress response."""
+        now = self._clock.monotonic()
+        lagging = [s for s in self._cache.watched_scopes() if s.catch_up_to]
+        since = self._lagging_since
+        for scope in [s for s in since if s not in lagging]:
+            del since[scope]
+        due = [s for s in lagging
+               if now - since.setdefault(s, now) >= self._config.progress_interval]
+        if not due:
+            return
+        due = due[:max(1, self._config.max_txn_ops)]
+        try:
+            revision, found = read_scopes(self._conn, self._keyspace, due,
+                                          self._config.preload_limit,
+                                          self._conn.deadline())
+        except CachedStoreError as exc:
+            log.debug("cachedstore watch: re-reading quiet scopes failed: %s", exc)
+            return
+        for scope, entries in zip(due, found, strict=True):
+            self._cache.reset(revision, entries, scope)
+            del since[scope]
+        self._metrics.quiet_refreshes.inc(len(due))
+
     def _revoked(self) -> None:
         """etcd denied the store's credentials: stop serving now, and nothing under
         ``max_staleness`` either (what the cache holds is no longer theirs to read) until
@@ -519,6 +553,7 @@ class Watcher:
         if not events:  # a progress response: liveness only, never ordering
             self._progress_answered = True
             self._metrics.watch_revision.set(max(self._revision, response.header.revision))
+            self._refresh_quiet_scopes()
             return None
         if scope is None or scope is self._anchor:
             return None  # a watch of a dropped scope (the store fell back to its prefix)

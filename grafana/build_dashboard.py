@@ -234,6 +234,18 @@ LAYOUT: list[tuple[Panel, int, int]] = [
                 "Revisions each watch is behind the newest revision any watch has confirmed "
                 "(etcd's revision, up to one scrape interval): the 10 furthest behind."),
      12, 8),
+    (timeseries("Watch scopes, top 10 instances", "none",
+                [(f"topk(10, sum by (instance) ({sel('cachedstore_watch_scopes')}))",
+                  "{{instance}}")],
+                "Watches on each process's streams: 1 per store watching its prefix, one per "
+                "scope a store touched with watch_scope=touched (etcd pays per watch and "
+                "per event it matches)."), 12, 8),
+    (timeseries("Quiet scopes read afresh, top 10 instances", "ops",
+                [(f"topk(10, sum by (instance) "
+                  f"({rate('cachedstore_watch_quiet_refreshes_total')}))",
+                  "{{instance}}")],
+                "Scopes read again after a reconnect because nothing in their range changed "
+                "meanwhile (no event to end their replay); one read per scope."), 12, 8),
     (row("Blocking and consistency"), 24, 1),
     (timeseries("Waiters, top 10 instances", "short",
                 [(f"topk(10, sum by (instance) ({sel('cachedstore_waiters')}))",

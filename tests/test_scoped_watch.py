@@ -194,3 +194,27 @@ def test_a_bad_watch_scope_is_refused() -> None:
         StoreConfig(watch_scope="some")
     with pytest.raises(InvalidInputError, match="max_watches"):
         StoreConfig().with_overrides(max_watches=0)
+
+
+@pytest.mark.parametrize("scope", ["touched", "prefix"])
+def test_a_quiet_scope_is_served_again_after_a_reconnect(own_etcd: LocalEtcd,
+                                                         scope: str) -> None:
+    """While the stream is down, etcd's revision moves only through keys this store does
+    not watch (another prefix). Its scopes then have nothing to replay, so no event ends
+    their catch-up: the watch reads them afresh on a progress response, and the cache is
+    served again (without it, every read went to etcd until those keys changed)."""
+    prefix = f"/scoped/quiet-{scope}/"
+    writer = raw_client(own_etcd)
+    writer.put(prefix + "k", "v")
+    with _store(own_etcd, prefix, watch_scope=scope, progress_interval=0.2) as store:
+        assert store.get("k") == b"v"
+        eventually(lambda: store._cache.lookup("k") is not None, what="k cached")
+        restarts = store._watcher.restarts
+        store._watcher._call.cancel()  # the stream ends; it is created again at once
+        writer.put("/scoped/elsewhere", "moves the revision")
+        eventually(lambda: store._watcher.restarts > restarts, what="the restart")
+        eventually(lambda: store._cache.lookup("k") is not None, timeout=10,
+                   what="k served from the cache again")
+        assert store.metrics.quiet_refreshes._value.get() >= 1
+        writer.put(prefix + "k", "v2")  # and the watch still follows k
+        eventually(lambda: store.get("k") == b"v2", what="the watch to deliver v2")
