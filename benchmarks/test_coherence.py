@@ -58,9 +58,9 @@ def test_coherence_blocked_get(benchmark: Any, env: harness.Env, record: Any,
     applied: list[float] = []
     apply_events = store._cache.apply_events
 
-    def timed_apply(events: Any, revision: int) -> None:
+    def timed_apply(events: Any, revision: int, scope: Any = None) -> None:
         applied.append(time.perf_counter())
-        apply_events(events, revision)
+        apply_events(events, revision, scope)
 
     store._cache.apply_events = timed_apply  # benchmark-only instrumentation
     keys: queue.Queue[str | None] = queue.Queue()

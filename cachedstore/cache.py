@@ -170,10 +170,12 @@ class CoherentCache:
 
     @property
     def applied_revision(self) -> int:
-        """Newest revision whose events have been applied in every open scope (0: none)."""
+        """The root's applied revision: every event up to it has been applied. With scopes,
+        the newest any scope applied (each scope has applied every event *of its own*
+        range up to its own revision; a quiet scope's stays behind). 0: none."""
         with self._lock:
             applied = [s.applied for s in self._all_scopes() if not s.opening]
-        return min(applied, default=0)
+        return max(applied, default=0)
 
     @property
     def complete(self) -> bool:
@@ -453,7 +455,7 @@ class CoherentCache:
             for name in absent:
                 if self._scope_of(name) is scope:
                     self._install(name, None, revision, 0, woken)
-            waiters = self._all_waiters()
+            waiters = self._waiters_of(scope)
         self._wake(woken)
         for waiter in waiters:
             waiter.nudge()
@@ -567,6 +569,21 @@ class CoherentCache:
                 self._metrics.waiters.dec()
             if not waiters:
                 del table[key]
+
+    def _waiters_of(self, scope: Scope) -> list[Waiter]:
+        """The waiters a reset of ``scope`` concerns: all of them for the root, else those
+        of names it covers and of prefixes whose names it may cover (a scope's reset leaves
+        the other scopes' knowledge, and their waiters, alone)."""
+        if scope is self._root or scope.key is None:
+            return self._all_waiters()
+        directory = scope.key[0] == "d"
+        covered = scope.key[1:]
+        found = [w for name, ws in self._waiters.items() if self._scope_of(name) is scope
+                 for w in ws]
+        for prefix, ws in self._prefix_waiters.items():
+            if covered.startswith(prefix) or (directory and prefix.startswith(covered)):
+                found.extend(ws)
+        return found
 
     def _all_waiters(self) -> list[Waiter]:
         return [w for table in (self._waiters, self._prefix_waiters)

@@ -98,23 +98,26 @@ class ScopeOpener:
             per_txn = max(1, self._max_txn_ops)
             for i in range(0, len(keys), per_txn):
                 answered |= self._open_scopes({k: plan[k] for k in keys[i:i + per_txn]},
-                                              deadline)
+                                              deadline)[0]
             return answered
 
-    def ensure_directory(self, directory: str, deadline: float) -> None:
+    def ensure_directory(self, directory: str, deadline: float
+                         ) -> tuple[Scope, int, int] | None:
         """Open a directory scope of ``directory`` (ending with ``/``) unless one covers it
         already: prefix waiters of names under it (queues) are then woken by the watch.
-        Raises cachedstore errors when etcd cannot be read."""
+        Returns (the scope, the revision R of its snapshot, how many keys it held at R) if
+        this call opened it with a complete snapshot, else None. Raises cachedstore errors
+        when etcd cannot be read."""
         cache = self._cache
         if not cache.scoped or self._covered(directory):
-            return
+            return None
         with self._lock:
             if not cache.scoped or self._covered(directory):
-                return
+                return None
             if len(self._open) + 1 > self._max_watches:
                 self._collapse()
-                return
-            self._open_scopes({dir_key(directory): []}, deadline)
+                return None
+            return self._open_scopes({dir_key(directory): []}, deadline)[1]
 
     def _covered(self, directory: str) -> bool:
         scope = self._cache.scope_of(directory)  # its directory scope, or an ancestor's
@@ -135,7 +138,11 @@ class ScopeOpener:
                     plan[key_key(name)] = [name]
         return plan
 
-    def _open_scopes(self, plan: dict[str, list[str]], deadline: float) -> set[str]:
+    def _open_scopes(self, plan: dict[str, list[str]], deadline: float
+                     ) -> tuple[set[str], tuple[Scope, int, int] | None]:
+        """Open the scopes of ``plan`` (scope key → names asked) with one read. Returns the
+        names answered, and (scope, revision, keys held) of the last scope if its snapshot
+        was complete."""
         cache = self._cache
         scopes = [cache.begin_scope(key, *self._ranges.of(key)) for key in plan]
         try:
@@ -148,6 +155,7 @@ class ScopeOpener:
                 cache.abort_scope(scope)
             raise
         answered: set[str] = set()
+        last: tuple[Scope, int, int] | None = None
         for scope, (key, asked), entries in zip(scopes, plan.items(), found, strict=True):
             cache.open_scope(scope, revision, entries,
                              absent=asked if entries is not None else ())
@@ -157,9 +165,10 @@ class ScopeOpener:
                 self._keyed[directory] = self._keyed.get(directory, 0) + 1
             if entries is not None:
                 answered.update(asked)
+            last = (scope, revision, len(entries)) if entries is not None else None
             self.watch(scope)
         self._count(len(self._open))
-        return answered
+        return answered, last
 
     def _collapse(self) -> None:
         """Too many scopes: watch the whole prefix from now on (under the lock)."""

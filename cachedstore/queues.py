@@ -262,18 +262,25 @@ def is_nonempty(store: EtcdStore, name: str | bytes) -> bool:
     healthy = store.watch_healthy
     if healthy and (known.says_empty(RESERVED) or known.says_empty(prefix)):
         return False
-    store._opener.ensure_directory(RESERVED, store._conn.deadline())
+    # A store watching what it touched watches the queues' directory from now on.
+    opened = store._opener.ensure_directory(RESERVED, store._conn.deadline())
     fresh = {RESERVED: ThreadWaiter(), prefix: ThreadWaiter()}
     for p, waiter in fresh.items():  # before the count: no put slips by unseen
         store._cache.add_prefix_waiter(p, waiter)
     kept: set[str] = set()
     try:
-        ranges = [etcdapi.op_range(etcdapi.range_prefix(s, e, count_only=True)) for s, e in (
-            _prefix_range(store, RESERVED), _prefix_range(store, prefix))]
-        response = store._conn.call("txn", etcdapi.txn(success=ranges),
-                                    deadline=store._conn.deadline())
-        counts = {RESERVED: int(response.responses[0].response_range.count),
-                  prefix: int(response.responses[1].response_range.count)}
+        if opened is not None and opened[2] == 0 and opened[0].applied == opened[1]:
+            # Just read whole, empty, and no event applied since the read: any item put
+            # from now on wakes the waiters registered above. No count needed.
+            counts = {RESERVED: 0, prefix: 0}
+        else:
+            ranges = [etcdapi.op_range(etcdapi.range_prefix(s, e, count_only=True))
+                      for s, e in (_prefix_range(store, RESERVED),
+                                   _prefix_range(store, prefix))]
+            response = store._conn.call("txn", etcdapi.txn(success=ranges),
+                                        deadline=store._conn.deadline())
+            counts = {RESERVED: int(response.responses[0].response_range.count),
+                      prefix: int(response.responses[1].response_range.count)}
         replaced = []
         with known.lock:
             if len(known.waiters) >= _MAX_KNOWN_EMPTY:  # forget what puts have ended

@@ -253,7 +253,9 @@ class EtcdStore:
 
     @property
     def watch_revision(self) -> int:
-        """The newest etcd revision whose events this store has applied."""
+        """The newest etcd revision whose events this store has applied. A store watching
+        what it touched has one per scope: this is the newest of them (a scope whose keys
+        did not change stays behind)."""
         return self._cache.applied_revision
 
     @property

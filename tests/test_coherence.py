@@ -28,11 +28,11 @@ def held_watch_apply(store: EtcdStore):
     held = threading.Event()
     batches = []
 
-    def gated(events, revision):
+    def gated(events, revision, scope=None):
         held.set()
         gate.wait(30)
         batches.append(list(events))
-        original(events, revision)
+        original(events, revision, scope)
 
     cache.apply_events = gated
     try:

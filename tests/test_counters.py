@@ -38,7 +38,12 @@ def own_etcd() -> Iterator[LocalEtcd]:
 
 def _stores(server: LocalEtcd, prefix: str, n: int, cls: Any = EtcdStore, **kwargs: Any
             ) -> list[Any]:
-    return [cls(endpoints=[server.endpoint], prefix=prefix, **kwargs) for _ in range(n)]
+    """``n`` stores; each has read the settle marker (a store watching what it touched
+    then watches it: see :func:`_settled`)."""
+    stores = [cls(endpoints=[server.endpoint], prefix=prefix, **kwargs) for _ in range(n)]
+    for s in stores:
+        (s._etcd if isinstance(s, TorchEtcdStore) else s).get("settle-marker", None)
+    return stores
 
 
 def _all_at_once(stores: list[Any], work: Callable[[Any], Any]) -> list[Any]:
@@ -72,7 +77,8 @@ def _settled(server: LocalEtcd, stores: list[Any], before: EtcdSample) -> Counts
     revision = sample(server.metrics_url).revision
     for s in stores:
         cache = (s._etcd if isinstance(s, TorchEtcdStore) else s)._cache
-        eventually(lambda c=cache: c.applied_revision >= revision, what="watch applied")
+        eventually(lambda c=cache: (c.peek("settle-marker") or (0, 0))[1] >= revision,
+                   what="watch applied")
     counts = sample(server.metrics_url).minus(before)
     requests = {m: n - (m == "Put") for m, n in counts.requests.items()}
     return Counts(requests={m: n for m, n in requests.items() if n},
@@ -197,17 +203,28 @@ def test_bad_input_is_refused_and_loses_nothing(etcd, prefix):
 
 
 # -- the barrier --------------------------------------------------------------------------
-def test_native_barrier_at_w64_costs_one_proposal_per_rank(own_etcd, prefix):
-    stores = _stores(own_etcd, prefix, W, TorchEtcdStore, timeout=timedelta(seconds=60))
+@pytest.mark.parametrize("scope", ["prefix", "touched"])
+def test_native_barrier_at_w64_costs_one_proposal_per_rank(own_etcd, prefix, scope):
+    stores = _stores(own_etcd, prefix, W, TorchEtcdStore, timeout=timedelta(seconds=60),
+                     watch_scope=scope)
     try:
         before = sample(own_etcd.metrics_url)
         _all_at_once(stores, lambda s: s.barrier("init", W))
         counts = _settled(own_etcd, stores, before)
-        # W adds and the last rank's put; the waits poll nothing.
-        assert counts.requests == {"Txn": W, "Put": 1}, counts.requests
         assert counts.proposals == W + 1
-        # Each store saw the counter's creation and the one release event.
-        assert counts.watch_event_msgs == 2 * W, counts.as_dict()
+        if scope == "prefix":
+            # W adds and the last rank's put; the waits poll nothing.
+            assert counts.requests == {"Txn": W, "Put": 1}, counts.requests
+            # Each store saw the counter's creation and the one release event.
+            assert counts.watch_event_msgs == 2 * W, counts.as_dict()
+        else:
+            # A store watching what it touched reads the release key once to watch it
+            # (a rank that reads it after the release finds it there), and receives
+            # nothing of the counter: at most the release, once per store.
+            assert counts.requests.keys() == {"Txn", "Put", "Range"}, counts.requests
+            assert counts.requests["Txn"] == W and counts.requests["Put"] == 1
+            assert counts.requests["Range"] <= W
+            assert counts.watch_event_msgs <= W, counts.as_dict()
     finally:
         _close(stores)
 

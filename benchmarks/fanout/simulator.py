@@ -39,6 +39,8 @@ from .worker import RankGroup, serve
 __all__ = ["PatternResult", "default_processes", "run_pattern"]
 
 SETTLE_TIMEOUT = 60.0
+#: etcd's counts must stand still this long (seconds) for a pattern's traffic to be over.
+QUIET_FOR = 0.3
 CONNECT_TIMEOUT = 300.0
 
 
@@ -235,8 +237,18 @@ def run_pattern(pattern: str, world: int, etcd_endpoint: str | None = None,
 
 
 def _settled(workers: list[Any], measure: Any) -> Any:
-    """Wait until every store applied etcd's current revision; then sample etcd again."""
+    """Wait until every store watching its prefix applied etcd's current revision, and
+    etcd's own counts stand still (a store watching what it touched has no revision to
+    wait for: a scope whose keys did not change never reaches it); sample etcd again."""
     revision = measure().revision
     _call_all(workers, "settle", revision, time.monotonic() + SETTLE_TIMEOUT,
               timeout=SETTLE_TIMEOUT + 30)
-    return measure()
+    last = measure()
+    deadline = time.monotonic() + SETTLE_TIMEOUT
+    while time.monotonic() < deadline:
+        time.sleep(QUIET_FOR)
+        now = measure()
+        if (now.watch_msgs_sent, now.revision) == (last.watch_msgs_sent, last.revision):
+            return now
+        last = now
+    return last

@@ -119,9 +119,11 @@ class RankGroup:
     def settle(self, revision: int, deadline: float) -> bool:
         """Block until every etcd store applied ``revision`` (True), or ``deadline`` (False).
 
-        TCPStore ranks have nothing to settle.
+        TCPStore ranks, and stores watching what they touched (each scope has its own
+        revision), have nothing to settle here; the simulator waits for etcd's counts.
         """
-        stores = [c.etcd_store for c in self._ctx if c.etcd_store is not None]
+        stores = [c.etcd_store for c in self._ctx
+                  if c.etcd_store is not None and not c.etcd_store._cache.scoped]
         while True:
             if all(s.closed or s.watch_revision >= revision for s in stores):
                 return True
