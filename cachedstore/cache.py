@@ -403,14 +403,19 @@ class CoherentCache:
                      snapshot: Iterable[tuple[str, bytes, int]] | None,
                      woken: _Woken) -> None:
         """Rule 4 for one scope (under the lock)."""
+        # Entries newer than the reset (a write or read that returned while the scope
+        # was read afresh) stay: they are states etcd held after ``revision``.
+        lru = self._lru
         if scope is self._root:
-            self._metrics.entries.dec(len(self._lru))
-            self._lru.clear()
+            gone = [n for n, e in lru.items() if e[1] <= revision]
+            for name in gone:
+                del lru[name]
+            self._metrics.entries.dec(len(gone))
             self._dirty.clear()
             self._marks.clear()
         else:
             scope_of = self._scope_of
-            gone = [n for n in self._lru if scope_of(n) is scope]
+            gone = [n for n, e in lru.items() if e[1] <= revision and scope_of(n) is scope]
             for name in gone:
                 del self._lru[name]
             self._metrics.entries.dec(len(gone))
