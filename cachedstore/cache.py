@@ -190,11 +190,15 @@ class CoherentCache:
         with self._lock:
             scope = self._scopes.get(key)
             if scope is None:
-                scope = Scope(key, start, end)
-                scope.opening = True
-                scope.awaiting_create = not self._stream_up
-                self._scopes[key] = scope
+                scope = self._scopes[key] = self._opening_scope(key, start, end)
             return scope
+
+    def _opening_scope(self, key: str | None, start: bytes, end: bytes) -> Scope:
+        """A new scope, opening (under the lock): its watch is created with the stream's."""
+        scope = Scope(key, start, end)
+        scope.opening = True
+        scope.awaiting_create = not self._stream_up
+        return scope
 
     def abort_scope(self, scope: Scope) -> None:
         """Forget a scope whose snapshot could not be read (it was never served)."""
@@ -216,10 +220,7 @@ class CoherentCache:
             self._lru.clear()
             self._dirty.clear()
             self._marks.clear()
-            root = Scope(None, start, end)
-            root.opening = True
-            root.awaiting_create = not self._stream_up
-            self._root = root
+            root = self._root = self._opening_scope(None, start, end)
             waiters = self._all_waiters()
         for waiter in waiters:
             waiter.nudge()
