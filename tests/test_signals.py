@@ -157,3 +157,40 @@ def test_demo_leaves_nothing_behind(sig: signal.Signals) -> None:
         assert err.strip().splitlines()[-1] == "cachedstore demo: interrupted"
         assert "Traceback" not in err
     _assert_cleaned_up([etcd.pid, *(w.pid for w in workers)], tmp_root, None)
+
+
+_forked_children_ran_python = []
+
+
+def _record_python_in_child() -> None:
+    if _forked_children_ran_python:
+        os.write(_forked_children_ran_python[0], b"x")
+
+
+os.register_at_fork(after_in_child=_record_python_in_child)
+
+
+def test_children_start_without_running_python_between_fork_and_exec(tmp_path: Path) -> None:
+    """A child is started with no Python (and so no at-fork handler) run in it before exec.
+
+    A ``preexec_fn`` forces a full ``fork()`` that runs every at-fork handler in the child:
+    gRPC's aborted there (``ev_epoll1_linux.cc ... next_worker->state == KICKED``) and
+    Python's could deadlock on a lock held by another thread when etcd was restarted by a
+    process with a live store. Python's ``after_in_child`` handlers stand in for gRPC's here:
+    both run only after a real ``fork()``."""
+    from cachedstore.server.process import ManagedProcess, _pdeathsig_prefix
+
+    assert "--pdeathsig" in _pdeathsig_prefix(), \
+        "setpriv is needed for children to die with their parent (test_signals SIGKILL)"
+    read_end, write_end = os.pipe()
+    _forked_children_ran_python.append(write_end)
+    child = ManagedProcess("true")
+    try:
+        child.launch(["true"], log_path=tmp_path / "log", env=_env(), cwd=tmp_path)
+        assert child.popen is not None and child.popen.wait(timeout=30) == 0
+    finally:
+        _forked_children_ran_python.clear()
+        child.kill()
+        os.close(write_end)
+    with os.fdopen(read_end, "rb") as reader:
+        assert reader.read() == b"", "the child ran Python at-fork handlers before exec"

@@ -8,8 +8,13 @@ whatever is still registered when the interpreter exits.
 Children die with their parent even when it cannot clean up (SIGKILL, ``os._exit``):
 
 * a child launched from the main thread asks the kernel for SIGKILL when its parent dies
-  (``prctl(PR_SET_PDEATHSIG)``, :func:`die_with_parent`; the kernel ties it to the thread
-  that forked, so children of other threads rely on the janitor alone);
+  (``PR_SET_PDEATHSIG``, set by util-linux's ``setpriv`` which then execs the child; the
+  kernel ties it to the thread that forked, so children of other threads, and hosts
+  without ``setpriv``, rely on the janitor alone). No Python runs between fork and exec:
+  a ``preexec_fn`` would force a full ``fork()`` that runs gRPC's and Python's at-fork
+  handlers in the child, which aborted (grpc's epoll ``next_worker->state == KICKED``
+  check) or deadlocked when the parent had live gRPC threads. Without it the child is
+  started with ``vfork``, which runs no handlers;
 * a *janitor* process (one per parent process, started with the first child, in its own
   session) holds the read end of a pipe from the parent. When the parent is gone the pipe
   reads EOF and the janitor SIGKILLs the process groups still registered and removes their
@@ -147,15 +152,13 @@ class ManagedProcess:
                 # The child gets its own copy of the descriptor: nothing to close later, and
                 # no pipe that could fill up and block etcd.
                 self.popen = subprocess.Popen(
-                    list(cmd),
+                    [*_pdeathsig_prefix(), *cmd],
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     env=dict(env),
                     cwd=str(cwd),
                     start_new_session=True,
-                    # prctl + getppid only, resolved before the fork (see below)
-                    preexec_fn=_pdeathsig_preexec(),
                 )
             self.paused = False
             with _LIVE_LOCK:
@@ -290,21 +293,33 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _pdeathsig_preexec() -> Callable[[], None] | None:
-    """The ``preexec_fn`` that makes a child die with this process: only for children
-    forked by the main thread (see :func:`die_with_parent`). ``prctl`` is resolved here,
-    before the fork, so the child only calls a C function and ``getppid``."""
+def _pdeathsig_prefix() -> list[str]:
+    """The command prefix that makes a child die with this process: ``setpriv
+    --pdeathsig KILL --``, only for children forked by the main thread (see
+    :func:`die_with_parent`) on Linux hosts that have ``setpriv``; else nothing (the
+    janitor still kills the child). ``setpriv`` sets the signal and execs the command, so
+    the child keeps its pid and its name."""
     if not sys.platform.startswith("linux") or \
             threading.current_thread() is not threading.main_thread():
-        return None
-    prctl, parent = _prctl(), os.getpid()
+        return []
+    setpriv = _setpriv()
+    return [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
 
-    def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:
-            os._exit(1)
 
-    return preexec
+_SETPRIV: list[str | None] = []
+
+
+def _setpriv() -> str | None:
+    """util-linux's ``setpriv`` if it is on PATH and knows ``--pdeathsig`` (looked up once)."""
+    if not _SETPRIV:
+        found = shutil.which("setpriv")
+        if found is not None:
+            probe = subprocess.run([found, "--pdeathsig", "KILL", "--", "true"],
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL, check=False)
+            found = found if probe.returncode == 0 else None
+        _SETPRIV.append(found)
+    return _SETPRIV[0]
 
 
 #: The janitor's program (stdlib only, run with ``python -I -S``): JSON lines on stdin
