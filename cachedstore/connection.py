@@ -303,6 +303,28 @@ class Connection:
             f"etcd endpoint {ep.target} is a member of another cluster (cluster id "
             f"{cluster_id:x}, the store's is {expected:x}); it is not used")
 
+    def check_member(self, index: int, deadline: float) -> None:
+        """Make sure endpoint ``index`` is a member of the store's cluster: nothing if it
+        is known to be, else one ``Status`` call on it. For a watch stream whose created
+        answer carried no cluster id (etcd's grpc-proxy). Raises ClusterMismatchError
+        (after failing over), grpc.RpcError if the member does not answer by
+        ``deadline``."""
+        ep = self._endpoints[index]
+        if ep.checked:
+            return
+        started = time.perf_counter()
+        try:
+            status = ep.maintenance.Status(
+                etcdapi.status(), metadata=self.metadata(),
+                timeout=max(0.001, deadline - self._clock.monotonic()))
+        except grpc.RpcError as exc:
+            code = etcdapi.classify_rpc_error(exc)[1]
+            self._metrics.rpc("status", code.name if code else "UNKNOWN",
+                              time.perf_counter() - started)
+            raise
+        self._metrics.rpc("status", "ok", time.perf_counter() - started)
+        self.check_cluster(index, status.header)
+
     def checked_endpoint(self, deadline: float) -> tuple[int, _Endpoint]:
         """Like :meth:`endpoint`, once the member behind it is known to belong to the
         store's cluster (one ``Status`` call the first time). Blocks up to ``deadline``;

@@ -143,19 +143,39 @@ def read_scope(conn: Connection, keyspace: KeySpace, scope: Scope, limit: int,
 
 
 class _Stream:
-    """The watches of one stream: creates to send, creates sent and not yet answered
-    (etcd answers them in order), and the scope of each watch id. Guarded by the
-    watcher's ``_scopes_lock``."""
+    """The watches of one stream: creates to send, creates sent and not yet answered,
+    and the scope of each watch id. Guarded by the watcher's ``_scopes_lock``.
 
-    __slots__ = ("on_stream", "to_send", "awaiting", "by_id", "kick")
+    A create is matched to its answer by watch id, not by order: etcd and its grpc-proxy
+    both number a stream's watches 0, 1, 2 ... in the order the creates arrive (the store
+    asks for automatic ids), but the proxy answers a create that joins a watch it already
+    has at once, ahead of an earlier create still waiting for etcd, so answers can come
+    out of order. A create etcd refuses outright (permission denied) takes no id; the
+    stream then ends, so the numbering never drifts."""
+
+    __slots__ = ("on_stream", "to_send", "awaiting", "by_id", "next_id", "kick")
 
     def __init__(self, scopes: list[Scope]) -> None:
         self.on_stream = set(scopes)
         self.to_send: deque[Scope] = deque(scopes)
-        self.awaiting: deque[Scope] = deque()
+        #: Creates sent and not yet answered, by the watch id they will be given.
+        self.awaiting: dict[int, Scope] = {}
         self.by_id: dict[int, Scope] = {}
+        self.next_id = 0
         #: Set to wake the request side: a create to send, or the stream is over.
         self.kick = threading.Event()
+
+    def sent(self, scope: Scope) -> None:
+        """``scope``'s create was sent: it will be the next watch id."""
+        self.awaiting[self.next_id] = scope
+        self.next_id += 1
+
+    def created(self, watch_id: int) -> Scope | None:
+        """The scope of the create etcd answered with ``watch_id`` (None: not ours)."""
+        scope = self.awaiting.pop(watch_id, None)
+        if scope is not None:
+            self.by_id[watch_id] = scope
+        return scope
 
 
 class Watcher:
@@ -318,8 +338,9 @@ class Watcher:
 
     def _stream_once(self) -> str:
         """Run one watch stream until it ends; return why it ended (a restart reason)."""
-        # A member of another cluster is never watched: its revisions are not ours.
-        index, endpoint = self._conn.checked_endpoint(self._conn.deadline())
+        # A member of another cluster is never watched: its revisions are not ours. The
+        # first created answer checks the member (see _handle): no Status call first.
+        index, endpoint = self._conn.endpoint()
         ended = threading.Event()  # set when this stream is over: the request side ends
         clock = self._clock
         stalled = threading.Event()
@@ -341,7 +362,7 @@ class Watcher:
                         stream.kick.clear()
                         return
                     scope = stream.to_send.popleft()
-                    stream.awaiting.append(scope)
+                    stream.sent(scope)
                 yield etcdapi.watch_create(scope.start, scope.end,
                                            0 if scope is anchor else scope.applied + 1)
 
@@ -514,11 +535,13 @@ class Watcher:
         """Apply one watch response from endpoint ``index``; return a restart reason if
         the stream must end. Raises ClusterMismatchError for a stream created on a member
         of another cluster (its member was replaced since it was checked)."""
-        if response.created:  # etcd answers creates in order (also one it refuses)
+        if response.created:  # matched by id: grpc-proxy may answer out of order
+            # Before anything of this stream is used: its member is the store's cluster's
+            # (a proxy's answers carry no cluster id: then one Status call, once).
+            self._conn.check_cluster(index, response.header)
+            self._conn.check_member(index, self._conn.deadline())
             with self._scopes_lock:
-                scope = stream.awaiting.popleft() if stream.awaiting else None
-                if scope is not None:
-                    stream.by_id[response.watch_id] = scope
+                scope = stream.created(response.watch_id)
         else:
             scope = stream.by_id.get(response.watch_id)
         if response.canceled:
@@ -544,7 +567,6 @@ class Watcher:
                 return "auth"
             return "canceled"
         if response.created:
-            self._conn.check_cluster(index, response.header)
             self._stream_was_healthy = True
             self._set_up(response.header.revision, None if scope is self._anchor else scope)
             self._metrics.watch_revision.set(max(self._revision, response.header.revision))

@@ -218,3 +218,48 @@ def test_a_quiet_scope_is_served_again_after_a_reconnect(own_etcd: LocalEtcd,
         assert store.metrics.quiet_refreshes._value.get() >= 1
         writer.put(prefix + "k", "v2")  # and the watch still follows k
         eventually(lambda: store.get("k") == b"v2", what="the watch to deliver v2")
+
+
+def test_a_given_config_keeps_its_watch_scope(own_etcd: LocalEtcd) -> None:
+    """TorchEtcdStore's default is the config's default: a config given keeps its own."""
+    host, port = own_etcd.endpoint.rsplit(":", 1)
+    store = TorchEtcdStore(host, int(port), prefix="/scoped/torch-config/",
+                           config=StoreConfig(watch_scope="prefix"))
+    try:
+        assert store._etcd.stats()["watch_scope"] == "prefix"
+    finally:
+        store.close()
+
+
+def test_creates_are_matched_to_their_answers_by_watch_id() -> None:
+    """etcd and grpc-proxy number a stream's watches in the order of the creates, but the
+    proxy answers a create joining a watch it already has at once, ahead of an earlier
+    one still waiting for etcd: the answers are matched by id, not by order."""
+    from cachedstore.scoping import Scope
+    from cachedstore.watcher import _Stream
+
+    first, second, third = (Scope(f"k{n}", n.encode(), n.encode() + b"\0")
+                            for n in ("a", "b", "c"))
+    stream = _Stream([first, second])
+    for scope in (first, second, third):
+        stream.sent(scope)
+    assert stream.created(1) is second  # the proxy's early answer
+    assert stream.created(0) is first
+    assert stream.created(2) is third
+    assert stream.by_id == {0: first, 1: second, 2: third}
+    assert stream.created(7) is None  # not a create of ours
+
+
+def test_a_store_watching_what_it_touched_connects_with_one_message(
+        own_etcd: LocalEtcd) -> None:
+    """Connecting costs etcd one stream and one watch create: the member is checked by the
+    create's answer, not by a Status call first (etcd's own counts)."""
+    before = etcd_sample(own_etcd.metrics_url)
+    store = _store(own_etcd, "/scoped/connect/")
+    try:
+        counts = etcd_sample(own_etcd.metrics_url).minus(before)
+        assert counts.requests == {}, counts.requests
+        assert counts.watch_streams == 1 and counts.watch_msgs_received == 1
+        assert store.get("x", default=None, timeout=0) is None  # it works
+    finally:
+        store.close()

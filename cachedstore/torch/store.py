@@ -201,8 +201,10 @@ class TorchEtcdStore(dist.Store):
         else:
             prefix = DEFAULT_PREFIX if prefix is None else prefix
             # torch keeps every process group's keys under one store: a rank watches the
-            # directories of its own groups, not the job's (EtcdStore's watch_scope).
-            kwargs.setdefault("watch_scope", "touched")
+            # directories of its own groups, not the job's (EtcdStore's watch_scope),
+            # unless a given config or keyword says otherwise.
+            if kwargs.get("config") is None:
+                kwargs.setdefault("watch_scope", "touched")
             spec: dict[str, Any] = {"host": host, "port": port, "prefix": prefix, **kwargs}
             spec.pop("password", None)
             inline = kwargs.get("password") is not None
