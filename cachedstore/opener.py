@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable, Iterable
 
 from .cache import CoherentCache
+from .clock import SYSTEM_CLOCK, Clock
 from .config import StoreConfig
 from .connection import Connection
 from .keys import KeySpace
@@ -41,13 +42,21 @@ class ScopeOpener:
     """Opens the scopes of one store. Thread-safe: one scope is opened at a time (a reader
     of a scope being opened waits for it); blocking for one etcd round trip per scope.
 
+    Deadlines are given as a function (``call_deadline``) that returns an etcd round
+    trip's deadline as of now: a reader waits for another reader's opening no longer than
+    its own deadline as of when it asked, and gives up opening then (its read goes to etcd
+    uncached, under a fresh deadline) instead of failing as if etcd were unreachable; the
+    read that opens a scope takes the deadline afresh once the wait is over.
+
     ``watch`` adds an opened scope to the watch stream; ``fall_back`` hands the root scope
     of a collapsed cache to the watch thread, which reads it and restarts the stream.
     Both are set by the store once its watcher exists."""
 
     def __init__(self, conn: Connection, keys: KeySpace, cache: CoherentCache,
-                 config: StoreConfig, metrics: StoreMetrics | NullMetrics) -> None:
+                 config: StoreConfig, metrics: StoreMetrics | NullMetrics,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         self._conn = conn
+        self._clock = clock
         self._keys = keys
         self._cache = cache
         self._ranges = ScopeRanges(keys)
@@ -72,20 +81,24 @@ class ScopeOpener:
     def n_open(self) -> int:
         return len(self._open)
 
-    def ensure(self, names: Iterable[str], deadline: float) -> set[str]:
+    def ensure(self, names: Iterable[str], call_deadline: Callable[[], float]) -> set[str]:
         """Open scopes covering the canonical ``names`` that no scope covers yet. Returns
         the names this call's scopes answer: the cache now holds them (found or absent),
-        as fresh as a read. Raises cachedstore errors when etcd cannot be read (the scopes
-        stay closed: a later read tries again)."""
+        as fresh as a read; none if another opening outlasted ``call_deadline()``. Raises
+        cachedstore errors when etcd cannot be read (the scopes stay closed: a later read
+        tries again)."""
         cache = self._cache
         if not cache.scoped:
             return set()
         uncovered = [name for name in dict.fromkeys(names) if cache.scope_of(name) is None]
         if not uncovered:
             return set()
-        with self._lock:
+        if not self._acquire(call_deadline()):
+            return set()
+        try:
             if not cache.scoped:
                 return set()
+            deadline = call_deadline()
             uncovered = [name for name in uncovered if cache.scope_of(name) is None]
             plan = self._plan(uncovered)
             if not plan:
@@ -100,26 +113,38 @@ class ScopeOpener:
                 answered |= self._open_scopes({k: plan[k] for k in keys[i:i + per_txn]},
                                               deadline)[0]
             return answered
+        finally:
+            self._lock.release()
 
-    def ensure_directory(self, directory: str, deadline: float
+    def _acquire(self, deadline: float) -> bool:
+        """Take the lock, waiting until ``deadline`` (clock time) at most."""
+        return self._lock.acquire(timeout=max(0.0, deadline - self._clock.monotonic()))
+
+    def ensure_directory(self, directory: str, call_deadline: Callable[[], float]
                          ) -> tuple[Scope, int, int] | None:
         """Open a directory scope of ``directory`` (ending with ``/``) unless one covers it
         already: prefix waiters of names under it (queues) are then woken by the watch.
         Returns (the scope, the revision R of its snapshot, how many keys it held at R) if
-        this call opened it with a complete snapshot, else None. Raises cachedstore errors
-        when etcd cannot be read."""
+        this call opened it with a complete snapshot, else None (also when another opening
+        outlasted ``call_deadline()``). Raises cachedstore errors when etcd cannot be read."""
         cache = self._cache
-        if not cache.scoped or self._covered(directory):
+        if not cache.scoped or self.covers_directory(directory):
             return None
-        with self._lock:
-            if not cache.scoped or self._covered(directory):
+        if not self._acquire(call_deadline()):
+            return None
+        try:
+            if not cache.scoped or self.covers_directory(directory):
                 return None
             if len(self._open) + 1 > self._max_watches:
                 self._collapse()
                 return None
-            return self._open_scopes({dir_key(directory): []}, deadline)[1]
+            return self._open_scopes({dir_key(directory): []}, call_deadline())[1]
+        finally:
+            self._lock.release()
 
-    def _covered(self, directory: str) -> bool:
+    def covers_directory(self, directory: str) -> bool:
+        """Whether a directory scope (or the root) covers ``directory``: its writes reach
+        this store's prefix waiters. Thread-safe, does not block."""
         scope = self._cache.scope_of(directory)  # its directory scope, or an ancestor's
         return scope is not None and (scope.key is None or scope.key[0] == "d")
 

@@ -194,7 +194,13 @@ def pop(store: EtcdStore, name: str | bytes, block: bool = True,
     if not gate.lock.acquire(timeout=max(0.0, min(budget, threading.TIMEOUT_MAX))):
         raise StoreTimeoutError(f"timed out after {budget:g} s waiting for queue {name!r}")
     prefix = item_prefix(canonical)
-    store._opener.ensure_directory(RESERVED, store._conn.deadline())
+    # The waiter below is woken only by a watched directory: wait for it to be opened
+    # (another reader's opening can outlast one round trip's deadline).
+    while store._cache.scoped and not store._opener.covers_directory(RESERVED):
+        store._opener.ensure_directory(RESERVED, store._conn.deadline)
+        if clock.monotonic() >= deadline:
+            gate.lock.release()
+            raise StoreTimeoutError(f"timed out after {budget:g} s waiting for queue {name!r}")
     waiter = ThreadWaiter()
     store._cache.add_prefix_waiter(prefix, waiter)
     try:
@@ -263,7 +269,7 @@ def is_nonempty(store: EtcdStore, name: str | bytes) -> bool:
     if healthy and (known.says_empty(RESERVED) or known.says_empty(prefix)):
         return False
     # A store watching what it touched watches the queues' directory from now on.
-    opened = store._opener.ensure_directory(RESERVED, store._conn.deadline())
+    opened = store._opener.ensure_directory(RESERVED, store._conn.deadline)
     fresh = {RESERVED: ThreadWaiter(), prefix: ThreadWaiter()}
     for p, waiter in fresh.items():  # before the count: no put slips by unseen
         store._cache.add_prefix_waiter(p, waiter)

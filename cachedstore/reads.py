@@ -173,7 +173,7 @@ class ReadThrough:
         out: dict[str, bytes | None] = {}
         cache = self._cache
         if cache.scoped:  # a scope opened here answers its names: no read of them
-            for name in self._opener.ensure(names, self._call_deadline(deadline)):
+            for name in self._opener.ensure(names, lambda: self._call_deadline(deadline)):
                 entry = cache.peek(name)
                 if entry is not None:  # (a tiny cache may have evicted it already)
                     out[name] = entry[0]

@@ -172,7 +172,8 @@ class EtcdStore:
                                                      password), cfg, self.metrics,
                                 clock=clock)
         self._id = next(_store_ids)
-        self._opener = ScopeOpener(self._conn, self._keys, self._cache, cfg, self.metrics)
+        self._opener = ScopeOpener(self._conn, self._keys, self._cache, cfg, self.metrics,
+                                   clock)
         self._reads = ReadThrough(self._conn, self._keys, self._cache, cfg, self.metrics,
                                   clock, self._check_open, self._stale_allowed, self._opener)
         self._writes = Writer(self._conn, self._keys, self._cache, cfg, self._check_open)

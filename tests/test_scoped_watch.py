@@ -263,3 +263,36 @@ def test_a_store_watching_what_it_touched_connects_with_one_message(
         assert store.get("x", default=None, timeout=0) is None  # it works
     finally:
         store.close()
+
+
+def test_a_read_does_not_wait_past_its_deadline_for_another_scopes_opening(
+        own_etcd: LocalEtcd) -> None:
+    """One thread's scope opening is held between etcd's answer and the cache update (a
+    slow round trip). A blocking read of another name, with a budget of 0.5 s, must not
+    queue behind it: it reads etcd itself (uncached) and answers while the first opening
+    is still held, not once it ends, and not with "etcd unreachable"."""
+    prefix = "/scoped/opening-lock/"
+    raw_client(own_etcd).put(prefix + "b", "vb")
+    with _store(own_etcd, prefix) as store:
+        read, release = threading.Event(), threading.Event()
+        held_to_the_end: list[bool] = []
+
+        def hold(keys: list[str]) -> None:
+            if keys == ["ka"]:
+                read.set()
+                held_to_the_end.append(not release.wait(20))
+
+        store._opener.after_read = hold
+        opener = threading.Thread(target=store.get, args=("a",), kwargs={"timeout": 30})
+        opener.start()
+        try:
+            assert read.wait(10)
+            assert store.get("b", timeout=0.5) == b"vb"
+            assert not held_to_the_end, "the read waited for the other opening to end"
+            assert store._cache.scope_of("b") is None  # read through, not opened
+        finally:
+            release.set()
+            store.set("a", "va")
+            opener.join(30)
+        assert store.get("b", timeout=1) == b"vb"
+        assert store._cache.scope_of("b") is not None  # opened by the next read
