@@ -145,6 +145,12 @@ class StoreConfig:
                 f"watch_scope must be one of {', '.join(map(repr, WATCH_SCOPES))}, "
                 f"got {self.watch_scope!r}")
 
+    @property
+    def snapshot_limit(self) -> int:
+        """The most keys a snapshot read (of the prefix or of a scope) may hold to be
+        installed whole: ``preload_limit``, but never more than the cache holds."""
+        return min(self.preload_limit, self.cache_size)
+
     def with_overrides(self, **overrides: object) -> StoreConfig:
         """A copy with the given fields replaced (``None`` values are ignored)."""
         given = {k: v for k, v in overrides.items() if v is not None}

@@ -60,7 +60,7 @@ class ScopeOpener:
         self._keys = keys
         self._cache = cache
         self._ranges = ScopeRanges(keys)
-        self._limit = min(config.preload_limit, config.cache_size)
+        self._limit = config.snapshot_limit
         self._max_watches = config.max_watches
         self._metrics = metrics
         self._max_txn_ops = config.max_txn_ops

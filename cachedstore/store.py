@@ -204,7 +204,7 @@ class EtcdStore:
         self._conn.authenticate(deadline)
         revision = 0
         if not self._cache.scoped:  # a touched-scope store reads nothing until it is read
-            revision, entries = snapshot(self._conn, self._keys, self._preload_limit(),
+            revision, entries = snapshot(self._conn, self._keys, self._config.snapshot_limit,
                                          deadline)
             self._cache.reset(revision, entries)
         self._watcher = Watcher(self._conn, self._keys, self._cache, cfg, self.metrics,
@@ -220,9 +220,6 @@ class EtcdStore:
             raise EtcdConnectionError(
                 f"the watch on {self._conn.targets} could not be created within "
                 f"connect_timeout={cfg.connect_timeout:g} s: {cause}") from None
-
-    def _preload_limit(self) -> int:
-        return min(self._config.preload_limit, self._config.cache_size)
 
     def _stale_allowed(self) -> bool:
         """Whether ``max_staleness`` lets a cached entry be served while the watch is down."""

@@ -326,11 +326,11 @@ class Watcher:
                 continue
             if scope.key is None:  # the root: the whole prefix
                 revision, entries = snapshot(self._conn, self._keyspace,
-                                             self._config.preload_limit,
+                                             self._config.snapshot_limit,
                                              self._conn.deadline())
             else:
                 revision, entries = read_scope(self._conn, self._keyspace, scope,
-                                               self._config.preload_limit,
+                                               self._config.snapshot_limit,
                                                self._conn.deadline())
             self._cache.reset(revision, entries, scope)
             self._revision = max(self._revision, revision)
@@ -487,7 +487,7 @@ class Watcher:
         due = due[:max(1, self._config.max_txn_ops)]
         try:
             revision, found = read_scopes(self._conn, self._keyspace, due,
-                                          self._config.preload_limit,
+                                          self._config.snapshot_limit,
                                           self._conn.deadline())
         except CachedStoreError as exc:
             log.debug("cachedstore watch: re-reading quiet scopes failed: %s", exc)
