@@ -120,13 +120,16 @@ class ScopeOpener:
         """Take the lock, waiting until ``deadline`` (clock time) at most."""
         return self._lock.acquire(timeout=max(0.0, deadline - self._clock.monotonic()))
 
-    def ensure_directory(self, directory: str, call_deadline: Callable[[], float]
-                         ) -> tuple[Scope, int, int] | None:
+    def ensure_directory(self, directory: str, call_deadline: Callable[[], float],
+                         names: Iterable[str] = ()) -> tuple[Scope, int, int] | None:
         """Open a directory scope of ``directory`` (ending with ``/``) unless one covers it
         already: prefix waiters of names under it (queues) are then woken by the watch.
-        Returns (the scope, the revision R of its snapshot, how many keys it held at R) if
-        this call opened it with a complete snapshot, else None (also when another opening
-        outlasted ``call_deadline()``). Raises cachedstore errors when etcd cannot be read."""
+        The scopes of the canonical ``names`` no scope covers yet are opened by the same
+        read (torch's ``check`` of a key and of its queue: one request, not two). Returns
+        (the scope, the revision R of its snapshot, how many keys it held at R) if this
+        call opened it with a complete snapshot, else None (also when another opening
+        outlasted ``call_deadline()``). Raises cachedstore errors when etcd cannot be
+        read."""
         cache = self._cache
         if not cache.scoped or self.covers_directory(directory):
             return None
@@ -135,10 +138,15 @@ class ScopeOpener:
         try:
             if not cache.scoped or self.covers_directory(directory):
                 return None
-            if len(self._open) + 1 > self._max_watches:
+            plan = self._plan([n for n in dict.fromkeys(names) if cache.scope_of(n) is None])
+            if len(plan) >= self._max_txn_ops:
+                plan = {}  # one Txn: the directory alone, the names read as usual
+            plan.pop(dir_key(directory), None)
+            plan[dir_key(directory)] = []  # last: its snapshot is the one returned
+            if len(self._open) + len(plan) > self._max_watches:
                 self._collapse()
                 return None
-            return self._open_scopes({dir_key(directory): []}, call_deadline())[1]
+            return self._open_scopes(plan, call_deadline())[1]
         finally:
             self._lock.release()
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
@@ -46,6 +47,7 @@ from .config import seconds
 from .connection import UNSENT_ONLY
 from .errors import KeyNotFoundError, StoreTimeoutError
 from .keys import prefix_range_end, to_value
+from .scoping import Scope
 
 if TYPE_CHECKING:  # the store imports this module, never the other way at run time
     from datetime import timedelta
@@ -112,7 +114,9 @@ def push(store: EtcdStore, name: str | bytes, value: str | bytes) -> None:
         request = etcdapi.txn([etcdapi.absent(key)], [etcdapi.op_put(etcdapi.put(key, data))])
         response = store._conn.call("txn", request, deadline=deadline, retry=UNSENT_ONLY)
         if response.succeeded:  # else: 64 random bits collided; draw again
-            store._cache.apply_write(item, data, response.header.revision)
+            revision = response.header.revision
+            _known(store).pushed(revision)  # before the cache holds it: see is_nonempty
+            store._cache.apply_write(item, data, revision)
             return
 
 
@@ -240,6 +244,17 @@ class _KnownEmpty:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.waiters: dict[str, ThreadWaiter] = {}
+        #: The revision of this store's newest push: its item is in the cache with no
+        #: watch event applied yet (the event, when it comes, changes nothing).
+        self.last_push = 0
+
+    def pushed(self, revision: int) -> None:
+        with self.lock:
+            self.last_push = max(self.last_push, revision)
+
+    def pushed_since(self, revision: int) -> bool:
+        with self.lock:
+            return self.last_push > revision
 
     def says_empty(self, prefix: str) -> bool:
         with self.lock:
@@ -250,7 +265,23 @@ class _KnownEmpty:
 _known_empty: weakref.WeakKeyDictionary[Any, _KnownEmpty] = weakref.WeakKeyDictionary()
 
 
-def is_nonempty(store: EtcdStore, name: str | bytes) -> bool:
+def _known(store: EtcdStore) -> _KnownEmpty:
+    with _gates_lock:
+        return _known_empty.setdefault(store, _KnownEmpty())
+
+
+def open_directory(store: EtcdStore, names: Sequence[str | bytes]
+                   ) -> tuple[Scope, int, int] | None:
+    """In a store watching what it touched: open the queues' directory together with the
+    scopes of ``names`` (one read), for a ``check`` or ``wait`` that looks for both a key
+    and a queue. Returns what :func:`is_nonempty` takes as ``opened``. Blocks for one
+    round trip at most; raises cachedstore errors when etcd cannot be read."""
+    canonical = [store._keys.canonical(name) for name in names]
+    return store._opener.ensure_directory(RESERVED, store._conn.deadline, canonical)
+
+
+def is_nonempty(store: EtcdStore, name: str | bytes,
+                opened: tuple[Scope, int, int] | None = None) -> bool:
     """True if queue ``name`` holds an item (torch's ``check``/``wait`` treat a non-empty
     queue as an existing key).
 
@@ -259,25 +290,29 @@ def is_nonempty(store: EtcdStore, name: str | bytes) -> bool:
     whose queues are all empty answers every name without a request), else per queue (up
     to 64 per store). Otherwise one Txn of two count-only ranges. Coherent like a cached
     read: an item another process pushed is seen once this store's watch has applied it.
-    Thread-safe."""
+    Thread-safe. ``opened``: what :func:`open_directory` returned, if it was called.
+    """
     canonical = store._keys.canonical(name)
     store._check_open()
-    with _gates_lock:
-        known = _known_empty.setdefault(store, _KnownEmpty())
+    known = _known(store)
     prefix = item_prefix(canonical)
     healthy = store.watch_healthy
     if healthy and (known.says_empty(RESERVED) or known.says_empty(prefix)):
         return False
     # A store watching what it touched watches the queues' directory from now on.
-    opened = store._opener.ensure_directory(RESERVED, store._conn.deadline)
+    if opened is None:
+        opened = store._opener.ensure_directory(RESERVED, store._conn.deadline)
     fresh = {RESERVED: ThreadWaiter(), prefix: ThreadWaiter()}
     for p, waiter in fresh.items():  # before the count: no put slips by unseen
         store._cache.add_prefix_waiter(p, waiter)
     kept: set[str] = set()
     try:
-        if opened is not None and opened[2] == 0 and opened[0].applied == opened[1]:
-            # Just read whole, empty, and no event applied since the read: any item put
-            # from now on wakes the waiters registered above. No count needed.
+        if opened is not None and opened[2] == 0 and opened[0].applied == opened[1] \
+                and not opened[0].removed and not known.pushed_since(opened[1]):
+            # Read whole and empty, no event applied since the read, and no push of this
+            # store since (its item enters the cache with no event; the event that
+            # follows changes nothing, so wakes no one): any item put from now on wakes
+            # the waiters registered above. No count needed.
             counts = {RESERVED: 0, prefix: 0}
         else:
             ranges = [etcdapi.op_range(etcdapi.range_prefix(s, e, count_only=True))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -296,3 +297,30 @@ def test_a_read_does_not_wait_past_its_deadline_for_another_scopes_opening(
             opener.join(30)
         assert store.get("b", timeout=1) == b"vb"
         assert store._cache.scope_of("b") is not None  # opened by the next read
+
+
+def test_a_wait_sees_a_push_of_its_own_store_that_lands_while_the_queues_open(
+        own_etcd: LocalEtcd) -> None:
+    """torch's ``wait`` on a queue name opens the name's scope and the queues' directory
+    with one read. This store's own push lands after that read and before the scopes'
+    watches exist (forced with the hook): its item enters the cache with no event, and the
+    event that follows changes nothing, so wakes no one. The read's "empty, nothing applied
+    since" must not be trusted then: the wait ends at once, not at its timeout."""
+    host, port = own_etcd.endpoint.rsplit(":", 1)
+    store = TorchEtcdStore(host, int(port), prefix="/scoped/own-push/")
+    pushed: list[bool] = []
+
+    def push_now(keys: list[str]) -> None:
+        if not pushed:
+            pusher = threading.Thread(target=store.queue_push, args=("jobs", "x"))
+            pusher.start()
+            pusher.join(10)
+            pushed.append(True)
+
+    store._etcd._opener.after_read = push_now
+    try:
+        store.wait(["jobs"], timedelta(seconds=5))
+        assert pushed == [True]
+        assert store.queue_pop("jobs") == b"x"
+    finally:
+        store.close()

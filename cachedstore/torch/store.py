@@ -46,6 +46,7 @@ from ..errors import (
     StoreTimeoutError,
     TLSError,
 )
+from ..scoping import Scope
 from ..store import EtcdStore
 
 __all__ = ["DEFAULT_PREFIX", "PASSWORD_ENV", "TorchEtcdStore", "read_password"]
@@ -382,17 +383,21 @@ class TorchEtcdStore(dist.Store):
             return False
         return True
 
-    def _present(self, name: str | bytes) -> bool:
-        """torch's notion of "exists" for check and wait: a key, or a non-empty queue."""
-        return self._has_key(name) or queues.is_nonempty(self._etcd, name)
+    def _present(self, name: str | bytes,
+                 opened: tuple[Scope, int, int] | None = None) -> bool:
+        """torch's notion of "exists" for check and wait: a key, or a non-empty queue
+        (``opened``: what ``queues.open_directory`` returned)."""
+        return self._has_key(name) or queues.is_nonempty(self._etcd, name, opened)
 
     def check(self, keys: list[str]) -> bool:
         """True if every key exists now, as a key or as a non-empty queue (never blocks)."""
         names = [self._name(k) for k in keys]
         try:
+            # Watching what it touched: the keys' scopes and the queues' in one read.
+            opened = queues.open_directory(self._etcd, names)
             if self._etcd.check(names):
                 return True
-            return all(self._present(n) for n in names)
+            return all(self._present(n, opened) for n in names)
         except CachedStoreError as exc:
             raise _translate(exc, f"check {list(keys)!r}") from exc
 
@@ -408,6 +413,8 @@ class TorchEtcdStore(dist.Store):
         """Block until every name exists (as a key, or with ``queues_count`` as a
         non-empty queue), woken by the watch; StoreTimeoutError after ``wait`` seconds,
         raised at the deadline without reading etcd again."""
+        # Watching what it touched: the keys' scopes and the queues' in one read.
+        opened = queues.open_directory(self._etcd, names) if queues_count else None
         try:
             self._etcd.wait(names, timeout=0)
             return  # every key exists: the common case, answered from the cache
@@ -426,9 +433,9 @@ class TorchEtcdStore(dist.Store):
                 if queues_count:
                     cache.add_prefix_waiter(queues.item_prefix(name), waiter)
                 registered.append(name)
-            present = self._present if queues_count else self._has_key
             try:
-                missing = [n for n in missing if not present(n)]
+                missing = [n for n in missing if not (
+                    self._present(n, opened) if queues_count else self._has_key(n))]
                 if not missing:
                     return
                 remaining = deadline - clock.monotonic()
