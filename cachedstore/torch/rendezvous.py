@@ -360,7 +360,10 @@ def create_backend(params: RendezvousParameters
             endpoints=_endpoints(params.endpoint), prefix=f"{prefix}{run_id}/",
             ca_cert=_conf(params, "cacert", "ca_cert"), cert_cert=cert, cert_key=key,
             user=user, password=password, request_timeout=request_timeout,
-            connect_timeout=connect_timeout)
+            connect_timeout=connect_timeout,
+            # Like TorchEtcdStore: an agent receives the writes it reads (the rendezvous
+            # state, its own store's keys), not the whole run's.
+            watch_scope="touched")
     except CachedStoreError as exc:
         raise RendezvousConnectionError(
             f"etcd-v3 rendezvous: cannot connect to etcd at {params.endpoint!r}: {exc}"
