@@ -154,6 +154,13 @@ class CoherentCache:
         with self._lock:
             return self._scope_of(name)
 
+    def watches(self, name: str) -> bool:
+        """Whether an open scope (not one still opening) covers canonical ``name``: its
+        writes reach this store's waiters through the watch."""
+        with self._lock:
+            scope = self._scope_of(name)
+            return scope is not None and not scope.opening
+
     def watched_scopes(self) -> list[Scope]:
         """The open scopes: what the watch stream must watch, each from its ``applied``+1."""
         with self._lock:
@@ -201,12 +208,17 @@ class CoherentCache:
         return scope
 
     def abort_scope(self, scope: Scope) -> None:
-        """Forget a scope whose snapshot could not be read (it was never served)."""
+        """Forget a scope whose snapshot could not be read (it was never served). Its
+        waiters re-check: their names are no longer covered by a watch."""
+        waiters: list[Waiter] = []
         with self._lock:
             if scope.opening and self._scopes.get(scope.key or "") is scope:
+                waiters = self._waiters_of(scope)
                 del self._scopes[scope.key or ""]
                 scope.removed = True
                 self._refloor()  # it may have been the last scope awaiting its creation
+        for waiter in waiters:
+            waiter.nudge()
 
     def collapse(self, start: bytes, end: bytes) -> Scope:
         """Fall back to watching the whole prefix ``[start, end)``: every scope and entry

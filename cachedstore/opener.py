@@ -151,10 +151,12 @@ class ScopeOpener:
             self._lock.release()
 
     def covers_directory(self, directory: str) -> bool:
-        """Whether a directory scope (or the root) covers ``directory``: its writes reach
-        this store's prefix waiters. Thread-safe, does not block."""
+        """Whether an open directory scope (or the root), not one still opening, covers
+        ``directory``: its writes reach this store's prefix waiters. Thread-safe, does not
+        block."""
         scope = self._cache.scope_of(directory)  # its directory scope, or an ancestor's
-        return scope is not None and (scope.key is None or scope.key[0] == "d")
+        return scope is not None and not scope.opening and \
+            (scope.key is None or scope.key[0] == "d")
 
     def _plan(self, names: list[str]) -> dict[str, list[str]]:
         """Scope key → the names it is opened for: a directory scope where this read and

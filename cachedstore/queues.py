@@ -47,6 +47,7 @@ from .config import seconds
 from .connection import UNSENT_ONLY
 from .errors import KeyNotFoundError, StoreTimeoutError
 from .keys import prefix_range_end, to_value
+from .reads import MIN_ROUND_TRIP
 from .scoping import Scope
 
 if TYPE_CHECKING:  # the store imports this module, never the other way at run time
@@ -198,16 +199,20 @@ def pop(store: EtcdStore, name: str | bytes, block: bool = True,
     if not gate.lock.acquire(timeout=max(0.0, min(budget, threading.TIMEOUT_MAX))):
         raise StoreTimeoutError(f"timed out after {budget:g} s waiting for queue {name!r}")
     prefix = item_prefix(canonical)
-    # The waiter below is woken only by a watched directory: wait for it to be opened
-    # (another reader's opening can outlast one round trip's deadline).
-    while store._cache.scoped and not store._opener.covers_directory(RESERVED):
-        store._opener.ensure_directory(RESERVED, store._conn.deadline)
-        if clock.monotonic() >= deadline:
-            gate.lock.release()
-            raise StoreTimeoutError(f"timed out after {budget:g} s waiting for queue {name!r}")
+
+    def call_deadline() -> float:  # a round trip's, within the pop's own deadline
+        return min(store._conn.deadline(), max(deadline, clock.monotonic() + MIN_ROUND_TRIP))
+
     waiter = ThreadWaiter()
     store._cache.add_prefix_waiter(prefix, waiter)
     try:
+        # The waiter is woken only by a watched directory: wait for it to be opened
+        # (another reader's opening can outlast one round trip's deadline).
+        while store._cache.scoped and not store._opener.covers_directory(RESERVED):
+            store._opener.ensure_directory(RESERVED, call_deadline)
+            if clock.monotonic() >= deadline:
+                raise StoreTimeoutError(
+                    f"timed out after {budget:g} s waiting for queue {name!r}")
         while True:
             store._check_open()
             waiter.event.clear()
@@ -249,8 +254,11 @@ class _KnownEmpty:
         self.last_push = 0
 
     def pushed(self, revision: int) -> None:
+        """This store pushed an item at ``revision``: nothing it remembered as empty is."""
         with self.lock:
             self.last_push = max(self.last_push, revision)
+            for waiter in self.waiters.values():
+                waiter.event.set()
 
     def pushed_since(self, revision: int) -> bool:
         with self.lock:
@@ -328,8 +336,12 @@ def is_nonempty(store: EtcdStore, name: str | bytes,
                 replaced += [(p, w) for p, w in known.waiters.items() if w.event.is_set()]
                 for p, _ in replaced:
                     del known.waiters[p]
+            # Remembered only while an open watch covers the queues: else no put would
+            # end the knowledge.
+            watched = store._cache.watches(RESERVED)
             for p in (RESERVED, prefix):
-                if counts[p] or (p != RESERVED and len(known.waiters) >= _MAX_KNOWN_EMPTY):
+                if counts[p] or not watched or \
+                        (p != RESERVED and len(known.waiters) >= _MAX_KNOWN_EMPTY):
                     continue
                 old = known.waiters.pop(p, None)
                 if old is not None:

@@ -30,7 +30,8 @@ from .metrics import NullMetrics, StoreMetrics
 from .opener import ScopeOpener
 from .waiters import ThreadWaiter
 
-__all__ = ["MAX_WAIT", "MISSING", "ReadThrough", "Timeout", "absent", "describe", "names_list"]
+__all__ = ["MAX_WAIT", "MISSING", "UNWATCHED_RECHECK", "ReadThrough", "Timeout", "absent",
+           "describe", "names_list"]
 
 Timeout = float | timedelta | None
 #: A read's findings: name → (value, mod_revision) of each key found.
@@ -44,6 +45,10 @@ MIN_ROUND_TRIP = 0.25
 #: While etcd is unreachable, a waiter re-checks at most this often (it is also nudged the
 #: moment the watch is back).
 OUTAGE_RECHECK = 2.0
+#: A waiter for a name no open watch covers (in a store watching what it touched, its
+#: scope's opening gave way to another reader's, or failed) re-checks this often: each
+#: check tries to open the scope again, after which the watch wakes it.
+UNWATCHED_RECHECK = 0.25
 
 
 class _Missing:
@@ -296,7 +301,11 @@ class ReadThrough:
             raise StoreTimeoutError(
                 f"timed out after {describe(timeout)} waiting for key {name!r}"
                 + (" (etcd unreachable)" if outage is not None else "")) from outage
-        return min(remaining, OUTAGE_RECHECK if outage is not None else MAX_WAIT)
+        if outage is not None:
+            return min(remaining, OUTAGE_RECHECK)
+        if self._cache.scoped and not self._cache.watches(name):
+            return min(remaining, UNWATCHED_RECHECK)
+        return min(remaining, MAX_WAIT)
 
     def wait_for(self, name: str, deadline: float, timeout: Timeout) -> bytes:
         """Block until ``name`` exists (woken by the watch) and return its value; raise

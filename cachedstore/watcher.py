@@ -5,8 +5,9 @@ dies silently and cannot resume). It carries one etcd watch per scope of the cac
 (``scoping.py``): the whole prefix, or, for a store that watches only what it touched, an
 *anchor* (one internal key nobody writes, so that the stream is created, checked and probed
 before any scope exists) and each scope opened since, added on the live stream by
-:meth:`Watcher.add`. etcd answers creates in order, so creation responses are matched to
-scopes first in, first out; events are routed to their scope by watch id. The stream:
+:meth:`Watcher.add`. etcd and grpc-proxy number a stream's watches in the order of its
+creates, so each creation response is matched to its scope by watch id (the proxy may
+answer out of order, see :class:`_Stream`), and so are events. The stream:
 
 - resumes after a disconnect, each scope from (its last applied event revision + 1), on
   the next endpoint, after a jittered back-off. Progress responses are *not* used to advance the resume point:
@@ -542,6 +543,12 @@ class Watcher:
             self._conn.check_member(index, self._conn.deadline())
             with self._scopes_lock:
                 scope = stream.created(response.watch_id)
+            if scope is None and not response.canceled:
+                # Not an id this stream's creates were given: its events would be lost.
+                self.last_error = CachedStoreError(
+                    f"etcd answered a watch create with id {response.watch_id}, which no "
+                    f"create on this stream was given")
+                return "error"
         else:
             scope = stream.by_id.get(response.watch_id)
         if response.canceled:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from benchmarks.fanout.etcd_metrics import sample as etcd_sample
-from cachedstore import EtcdStore, InvalidInputError, StoreConfig
+from cachedstore import EtcdConnectionError, EtcdStore, InvalidInputError, StoreConfig
 from cachedstore.server import LocalEtcd
 from cachedstore.torch import TorchEtcdStore
 from tests.util import eventually, raw_client, rpc_count
@@ -324,3 +324,45 @@ def test_a_wait_sees_a_push_of_its_own_store_that_lands_while_the_queues_open(
         assert store.queue_pop("jobs") == b"x"
     finally:
         store.close()
+
+
+def test_a_wait_whose_scope_gave_way_to_another_opening_is_still_woken(
+        own_etcd: LocalEtcd) -> None:
+    """Another reader's opening holds the opener (forced with the hook) longer than this
+    blocking read's round trip may wait for it, so the read goes to etcd uncached and its
+    name has no watch; then that opening fails (so no scope creation nudges anyone). The
+    wait must not sleep until its deadline (no event can wake it): it looks again, opens
+    the scope, and sees the key set meanwhile."""
+    prefix = "/scoped/gave-way/"
+    with _store(own_etcd, prefix, request_timeout=0.5) as store:
+        read, release = threading.Event(), threading.Event()
+
+        def hold(keys: list[str]) -> None:
+            if keys == ["ka"]:
+                read.set()
+                assert release.wait(20)
+                raise EtcdConnectionError("the opening read failed (simulated)")
+
+        def get_a() -> None:
+            with pytest.raises(EtcdConnectionError):
+                store.get("a", default=None)
+
+        fell_through = threading.Event()  # b was read uncached: its opening gave way
+        store._opener.after_read = hold
+        store._reads.after_read = lambda chunk: fell_through.set() if "b" in chunk else None
+        opener = threading.Thread(target=get_a)
+        opener.start()
+        got: list[object] = []
+        try:
+            assert read.wait(10)
+            waiter = threading.Thread(
+                target=lambda: got.append(store.get("b", timeout=10)))
+            waiter.start()
+            assert fell_through.wait(10)
+            assert store._cache.scope_of("b") is None  # no watch covers it
+        finally:
+            release.set()
+            opener.join(30)
+        raw_client(own_etcd).put(prefix + "b", "vb")
+        waiter.join(8)  # well inside the wait's own 10 s
+        assert got == [b"vb"]

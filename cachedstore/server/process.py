@@ -144,6 +144,9 @@ class ManagedProcess:
         with self._lock:
             if self.running():
                 raise RuntimeError(f"{self.label} is already running (pid {self.pid})")
+            prefix = _pdeathsig_prefix()
+            if prefix and shutil.which(cmd[0]) is None:  # setpriv would exit 127 instead
+                raise FileNotFoundError(f"{self.label}: no executable {cmd[0]!r}")
             log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(log_path, "ab") as log:
                 self.log_offset = log.tell()
@@ -152,7 +155,7 @@ class ManagedProcess:
                 # The child gets its own copy of the descriptor: nothing to close later, and
                 # no pipe that could fill up and block etcd.
                 self.popen = subprocess.Popen(
-                    [*_pdeathsig_prefix(), *cmd],
+                    [*prefix, *cmd],
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,

@@ -46,6 +46,7 @@ from ..errors import (
     StoreTimeoutError,
     TLSError,
 )
+from ..reads import UNWATCHED_RECHECK
 from ..scoping import Scope
 from ..store import EtcdStore
 
@@ -439,7 +440,16 @@ class TorchEtcdStore(dist.Store):
                 if not missing:
                     return
                 remaining = deadline - clock.monotonic()
-                if remaining <= 0 or not clock.wait(waiter.event, remaining):
+                if remaining <= 0:
+                    raise StoreTimeoutError(f"waiting for {missing!r}")
+                pause = remaining
+                if cache.scoped and (
+                        not all(cache.watches(n) for n in missing)
+                        or (queues_count and not cache.watches(queues.RESERVED))):
+                    # No open watch covers one of them (its opening gave way to another
+                    # reader's, or failed): look again soon, which opens it.
+                    pause = min(pause, UNWATCHED_RECHECK)
+                if not clock.wait(waiter.event, pause) and pause == remaining:
                     raise StoreTimeoutError(f"waiting for {missing!r}")
             finally:
                 for name in registered:
