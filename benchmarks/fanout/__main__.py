@@ -21,6 +21,7 @@ import time
 from .patterns import PATTERNS
 from .report import build
 from .suite import run_extras, run_world
+from .worker import STORE_OPTIONS_ENV
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BENCH = os.path.dirname(HERE)
@@ -40,7 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", default=os.path.join(HERE, "results"))
     parser.add_argument("--extras", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--store-options", default="{}",
+                        help="JSON object of EtcdStore keywords for every rank's store, e.g. "
+                             "'{\"stall_timeout\": 30}' where so many stores share 2 cores "
+                             "that their watch threads starve past the stall timeout")
     args = parser.parse_args(argv)
+    store_options = json.loads(args.store_options)
+    if not isinstance(store_options, dict):
+        parser.error("--store-options must be a JSON object")
+    os.environ[STORE_OPTIONS_ENV] = json.dumps(store_options)  # worker processes too
     from cachedstore.server import LocalEtcd
 
     os.makedirs(args.results, exist_ok=True)
@@ -56,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             run["date"] = time.strftime("%Y-%m-%d %H:%M %Z")
             run["loadavg"] = [round(x, 1) for x in os.getloadavg()]
             run["command"] = command
+            run["store_options"] = store_options
             with open(os.path.join(args.results, f"W{w}.json"), "w") as f:
                 json.dump(run, f, indent=1, sort_keys=True)
         if args.extras:

@@ -113,9 +113,12 @@ def markdown(worlds: dict[int, dict[str, Any]], extras: dict[str, Any],
         "",
         "## Runs",
         "",
-        _table(["W", "date", "worker processes", "budget per pattern", "run time", "loadavg"],
+        _table(["W", "date", "worker processes", "budget per pattern", "run time", "loadavg",
+                "store options"],
                [[str(w), r.get("date", "?"), str(r["processes"]), _s(r["budget_s"]),
-                 _s(r["elapsed_s"]), str(r.get("loadavg", "?"))] for w, r in worlds.items()]),
+                 _s(r["elapsed_s"]), str(r.get("loadavg", "?")),
+                 ", ".join(f"{k}={v}" for k, v in sorted(r.get("store_options", {}).items()))
+                 or "defaults"] for w, r in worlds.items()]),
         "",
     ]
     for w, r in worlds.items():

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import json
+import os
 import time
 import traceback
 from datetime import timedelta
@@ -27,7 +29,10 @@ from typing import Any
 from .patterns import PATTERNS, RankContext
 from .recording import Access, RecordingStore
 
-__all__ = ["RankGroup", "serve"]
+__all__ = ["STORE_OPTIONS_ENV", "RankGroup", "serve"]
+
+#: JSON object of EtcdStore keywords every rank's store gets (``--store-options``).
+STORE_OPTIONS_ENV = "FANOUT_STORE_OPTIONS"
 
 
 def _make_store(backend: dict[str, Any], timeout: timedelta, options: dict[str, Any]) -> Any:
@@ -74,7 +79,8 @@ class RankGroup:
         """
         import torch.distributed as dist
 
-        options = dict(self.pattern.store_options) if self.backend["kind"] == "etcd" else {}
+        options = {**json.loads(os.environ.get(STORE_OPTIONS_ENV, "{}")),
+                   **self.pattern.store_options} if self.backend["kind"] == "etcd" else {}
         if self.backend["kind"] == "tcp":
             with cf.ThreadPoolExecutor(64, thread_name_prefix="fanout-connect") as pool:
                 inners = list(pool.map(lambda _: _make_store(self.backend, self.timeout, {}),
