@@ -24,6 +24,10 @@ __all__ = ["KeySpace", "to_value"]
 #: What follows the prefix in every internal key (never valid UTF-8).
 INTERNAL = b"\xff\xff"
 _INTERNAL_NAME = INTERNAL.decode("utf-8", "surrogateescape")
+#: The directory of queue items (``queues.py``): reserved, like the internal keys.
+QUEUE_DIRECTORY = "\x00queue/"
+#: The first characters of reserved names (one test on the common path).
+_RESERVED_FIRST = _INTERNAL_NAME[0] + QUEUE_DIRECTORY[0]
 
 #: Room left in a request for everything but the key and value (gRPC and protobuf framing).
 REQUEST_OVERHEAD = 512
@@ -90,9 +94,14 @@ class KeySpace:
             raise InvalidTypeError(f"key name must be str or bytes, not {type(name).__name__}")
         if not canonical:
             raise InvalidInputError("key name must not be empty")
-        if canonical.startswith(_INTERNAL_NAME):
-            raise InvalidInputError(
-                "key names starting with bytes FF FF are reserved for the store's counters")
+        if canonical[0] in _RESERVED_FIRST:
+            if canonical.startswith(_INTERNAL_NAME):
+                raise InvalidInputError(
+                    "key names starting with bytes FF FF are reserved for the store's "
+                    "counters")
+            if canonical.startswith(QUEUE_DIRECTORY):
+                raise InvalidInputError(
+                    "key names starting with NUL 'queue/' are reserved for queue items")
         return canonical
 
     def key(self, canonical: str) -> bytes:

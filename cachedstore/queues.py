@@ -46,7 +46,7 @@ from .clock import SYSTEM_CLOCK, Clock
 from .config import seconds
 from .connection import UNSENT_ONLY
 from .errors import KeyNotFoundError, StoreTimeoutError
-from .keys import prefix_range_end, to_value
+from .keys import QUEUE_DIRECTORY, prefix_range_end, to_value
 from .reads import MIN_ROUND_TRIP
 from .scoping import Scope
 
@@ -68,7 +68,7 @@ __all__ = [
 ]
 
 #: Canonical-name prefix of every queue item; names starting with it belong to queues.
-RESERVED = "\x00queue/"
+RESERVED = QUEUE_DIRECTORY
 #: Keys listed per etcd range request by :func:`list_keys`.
 _PAGE = 10_000
 #: Most queues per store whose emptiness :func:`is_nonempty` remembers.

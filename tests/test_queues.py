@@ -59,6 +59,22 @@ def test_queues_and_keys_are_separate_namespaces(store, etcd, prefix):
     assert len(item) == 1 and item[0].startswith(prefix.encode() + b"\x00queue/a%2Fb/")
 
 
+def test_names_in_the_queue_directory_are_refused_and_lose_nothing(store):
+    """An item's name is not a key name: a key written there would pass for a queue item
+    (torch's check and wait would see a queue that nobody pushed to)."""
+    from cachedstore import InvalidInputError
+
+    store.queue_push("q", "item")
+    with pytest.raises(InvalidInputError, match="reserved for queue items"):
+        store.set("\x00queue/q/0000000000000000", "forged")
+    with pytest.raises(InvalidInputError, match="reserved for queue items"):
+        store.set(b"\x00queue/other/1", "forged")
+    store.set("\x00elsewhere", "a NUL alone is an ordinary name")
+    assert store.get("\x00elsewhere") == b"a NUL alone is an ordinary name"
+    assert store.queue_len("q") == 1 and store.queue_pop("q") == b"item"
+    assert store.queue_len("other") == 0
+
+
 def test_list_keys_pages_and_names_under_a_scope(store, monkeypatch):
     monkeypatch.setattr(queues, "_PAGE", 2)
     names = [f"k{i}" for i in range(5)] + ["s/x", "s/y"]
