@@ -314,16 +314,22 @@ class Connection:
             return
         started = time.perf_counter()
         try:
-            status = ep.maintenance.Status(
-                etcdapi.status(), metadata=self.metadata(),
-                timeout=max(0.001, deadline - self._clock.monotonic()))
+            status = self._status(ep, max(0.001, deadline - self._clock.monotonic()),
+                                  self.metadata(), started)
         except grpc.RpcError as exc:
             code = etcdapi.classify_rpc_error(exc)[1]
             self._metrics.rpc("status", code.name if code else "UNKNOWN",
                               time.perf_counter() - started)
             raise
-        self._metrics.rpc("status", "ok", time.perf_counter() - started)
         self.check_cluster(index, status.header)
+
+    def _status(self, ep: _Endpoint, timeout: float, metadata: tuple[tuple[str, str], ...],
+                started: float) -> Any:
+        """One ``Status`` call on ``ep`` (begun at perf-counter time ``started``), counted
+        when it succeeds; raises grpc.RpcError (the caller counts failures)."""
+        status = ep.maintenance.Status(etcdapi.status(), timeout=timeout, metadata=metadata)
+        self._metrics.rpc("status", "ok", time.perf_counter() - started)
+        return status
 
     def checked_endpoint(self, deadline: float) -> tuple[int, _Endpoint]:
         """Like :meth:`endpoint`, once the member behind it is known to belong to the
@@ -418,9 +424,7 @@ class Connection:
                 if not ep.checked and method not in _READS:
                     # Never send a write to a member before it is known to be ours (a read
                     # is checked by its answer's header, below, and discarded if foreign).
-                    status = ep.maintenance.Status(etcdapi.status(),
-                                                   timeout=per_attempt, metadata=metadata)
-                    self._metrics.rpc("status", "ok", time.perf_counter() - started)
+                    status = self._status(ep, per_attempt, metadata, started)
                     try:
                         self.check_cluster(index, status.header)
                     except ClusterMismatchError as exc:

@@ -47,7 +47,6 @@ from .config import seconds
 from .connection import UNSENT_ONLY
 from .errors import KeyNotFoundError, StoreTimeoutError
 from .keys import QUEUE_DIRECTORY, prefix_range_end, to_value
-from .reads import MIN_ROUND_TRIP
 from .scoping import Scope
 
 if TYPE_CHECKING:  # the store imports this module, never the other way at run time
@@ -63,8 +62,10 @@ __all__ = [
     "length",
     "list_keys",
     "num_keys",
+    "open_directory",
     "pop",
     "push",
+    "watched",
 ]
 
 #: Canonical-name prefix of every queue item; names starting with it belong to queues.
@@ -199,17 +200,14 @@ def pop(store: EtcdStore, name: str | bytes, block: bool = True,
     if not gate.lock.acquire(timeout=max(0.0, min(budget, threading.TIMEOUT_MAX))):
         raise StoreTimeoutError(f"timed out after {budget:g} s waiting for queue {name!r}")
     prefix = item_prefix(canonical)
-
-    def call_deadline() -> float:  # a round trip's, within the pop's own deadline
-        return min(store._conn.deadline(), max(deadline, clock.monotonic() + MIN_ROUND_TRIP))
-
     waiter = ThreadWaiter()
     store._cache.add_prefix_waiter(prefix, waiter)
     try:
         # The waiter is woken only by a watched directory: wait for it to be opened
         # (another reader's opening can outlast one round trip's deadline).
-        while store._cache.scoped and not store._opener.covers_directory(RESERVED):
-            store._opener.ensure_directory(RESERVED, call_deadline)
+        while store._cache.scoped and not watched(store):
+            store._opener.ensure_directory(
+                RESERVED, lambda: store._reads._call_deadline(deadline))
             if clock.monotonic() >= deadline:
                 raise StoreTimeoutError(
                     f"timed out after {budget:g} s waiting for queue {name!r}")
@@ -278,6 +276,12 @@ def _known(store: EtcdStore) -> _KnownEmpty:
         return _known_empty.setdefault(store, _KnownEmpty())
 
 
+def watched(store: EtcdStore) -> bool:
+    """Whether an open watch of this store covers the queues' directory: then every put
+    of an item wakes its prefix waiters. Thread-safe, does not block."""
+    return store._opener.covers_directory(RESERVED)
+
+
 def open_directory(store: EtcdStore, names: Sequence[str | bytes]
                    ) -> tuple[Scope, int, int] | None:
     """In a store watching what it touched: open the queues' directory together with the
@@ -338,9 +342,9 @@ def is_nonempty(store: EtcdStore, name: str | bytes,
                     del known.waiters[p]
             # Remembered only while an open watch covers the queues: else no put would
             # end the knowledge.
-            watched = store._cache.watches(RESERVED)
+            kept_valid = watched(store)
             for p in (RESERVED, prefix):
-                if counts[p] or not watched or \
+                if counts[p] or not kept_valid or \
                         (p != RESERVED and len(known.waiters) >= _MAX_KNOWN_EMPTY):
                     continue
                 old = known.waiters.pop(p, None)

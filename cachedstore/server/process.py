@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import functools
 import ipaddress
 import json
 import os
@@ -309,20 +310,16 @@ def _pdeathsig_prefix() -> list[str]:
     return [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
 
 
-_SETPRIV: list[str | None] = []
-
-
+@functools.cache
 def _setpriv() -> str | None:
     """util-linux's ``setpriv`` if it is on PATH and knows ``--pdeathsig`` (looked up once)."""
-    if not _SETPRIV:
-        found = shutil.which("setpriv")
-        if found is not None:
-            probe = subprocess.run([found, "--pdeathsig", "KILL", "--", "true"],
-                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL, check=False)
-            found = found if probe.returncode == 0 else None
-        _SETPRIV.append(found)
-    return _SETPRIV[0]
+    found = shutil.which("setpriv")
+    if found is None:
+        return None
+    probe = subprocess.run([found, "--pdeathsig", "KILL", "--", "true"],
+                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, check=False)
+    return found if probe.returncode == 0 else None
 
 
 #: The janitor's program (stdlib only, run with ``python -I -S``): JSON lines on stdin

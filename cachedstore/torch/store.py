@@ -445,7 +445,7 @@ class TorchEtcdStore(dist.Store):
                 pause = remaining
                 if cache.scoped and (
                         not all(cache.watches(n) for n in missing)
-                        or (queues_count and not cache.watches(queues.RESERVED))):
+                        or (queues_count and not queues.watched(self._etcd))):
                     # No open watch covers one of them (its opening gave way to another
                     # reader's, or failed): look again soon, which opens it.
                     pause = min(pause, UNWATCHED_RECHECK)
