@@ -246,6 +246,18 @@ def _consume(kind: str, host: str, port: int, prefix: str, events: int,
         "/etcdserverpb.Watch/Watch", request_serializer=pb.WatchRequest.SerializeToString,
         response_deserializer=pb.WatchResponse.FromString)
     sink: list[Any] = []
+
+    def consume(call: Any) -> None:
+        """Skip the created answer, then time the stream until ``events`` arrived."""
+        next(call)
+        c0 = ready()
+        seen = 0
+        for resp in call:
+            seen += decode(resp, sink)
+            if seen >= events:
+                break
+        done(c0, seen)
+
     if kind == "bidi":
         import threading
         stop = threading.Event()
@@ -257,26 +269,12 @@ def _consume(kind: str, host: str, port: int, prefix: str, events: int,
         call = channel.stream_stream(
             "/etcdserverpb.Watch/Watch", request_serializer=pb.WatchRequest.SerializeToString,
             response_deserializer=pb.WatchResponse.FromString)(requests(), metadata=metadata)
-        next(call)
-        c0 = ready()
-        seen = 0
-        for resp in call:
-            seen += decode(resp, sink)
-            if seen >= events:
-                break
-        done(c0, seen)
+        consume(call)
         stop.set()
         call.cancel()
     elif kind == "ustream":
         call = unary_stream(create, metadata=metadata)
-        next(call)
-        c0 = ready()
-        seen = 0
-        for resp in call:
-            seen += decode(resp, sink)
-            if seen >= events:
-                break
-        done(c0, seen)
+        consume(call)
         call.cancel()
     elif kind == "batched":
         call = unary_stream(create, metadata=metadata)
