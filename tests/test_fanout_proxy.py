@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.fanout.etcd_metrics import sample
+from benchmarks.fanout.etcd_metrics import SettledSampler, sample
 from cachedstore.server import GrpcProxy, LocalEtcd
 from cachedstore.torch import TorchEtcdStore
 from tests.test_counters import _all_at_once
@@ -52,7 +52,8 @@ def test_a_nodes_ranks_share_one_watch_stream_through_grpc_proxy(etcd_and_proxy,
     prefix)."""
     server, proxy = etcd_and_proxy
     endpoint = proxy.endpoint if via_proxy else server.endpoint
-    before = sample(server.metrics_url)
+    settled = SettledSampler(server.endpoint, server.metrics_url)
+    before = settled()
     stores = [TorchEtcdStore(endpoints=[endpoint], prefix=prefix, watch_scope=scope,
                              timeout=timedelta(seconds=60)) for _ in range(W)]
     try:
@@ -71,10 +72,11 @@ def test_a_nodes_ranks_share_one_watch_stream_through_grpc_proxy(etcd_and_proxy,
         for s in stores:
             eventually(lambda c=s.etcd_store._cache: c.applied_revision >= revision,
                        what="every watch applied the last write")
-        counts = sample(server.metrics_url).minus(before)
+        counts = settled().minus(before)
     finally:
         for s in stores:
             s.close()
+        settled.close()
     writes = counts.proposals  # the puts and adds: each one revision
     assert writes >= 2 * W + 1
     if via_proxy:

@@ -15,16 +15,23 @@ Every watch message a client sends (create, cancel, progress request) is answere
 one message from etcd; so ``sent - received`` is the number of *event* messages etcd pushed
 (:attr:`Counts.watch_event_msgs`), the part that grows with writes × watchers.
 
-:func:`sample` blocks for one HTTP GET (bounded by ``timeout``); everything else is pure.
+:func:`sample` blocks for one HTTP GET (bounded by ``timeout``); :class:`SettledSampler`
+adds one Status call and waits for etcd's proposal gauge to catch up (see there); everything
+else is pure.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import time
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Counts", "EtcdSample", "sample"]
+import grpc
+from etcd3 import etcdrpc
+
+__all__ = ["Counts", "EtcdSample", "SettledSampler", "sample"]
 
 
 @dataclass(frozen=True)
@@ -146,3 +153,52 @@ def sample(metrics_url: str, timeout: float = 10.0) -> EtcdSample:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(metrics_url.rstrip("/") + "/metrics", timeout=timeout) as r:
         return parse(r.read().decode())
+
+
+class SettledSampler:
+    """Scrapes of one etcd member that count every proposal it committed before the call.
+
+    etcd sets ``etcd_server_proposals_committed_total`` only after writing to its WAL the
+    raft batch that committed them, and a leader applies that batch, and answers the
+    clients waiting on it, while the write runs: a scrape taken just after an answer can
+    miss that answer's proposal (an off-by-one seen in CI). So each call first asks the
+    member's Status for its committed raft index, which etcd records before it applies
+    anything, and scrapes until the gauge has reached it (bounded by ``timeout``:
+    TimeoutError). The Status calls this sampler made are taken off the ``Status`` count,
+    so that differences of its samples count only the traffic measured.
+
+    ``endpoint`` is ``host:port`` of the member's plaintext gRPC port. Blocking; not
+    thread-safe; :meth:`close` releases the channel.
+    """
+
+    def __init__(self, endpoint: str, metrics_url: str, timeout: float = 10.0) -> None:
+        self._metrics_url = metrics_url
+        self._timeout = timeout
+        self._channel = grpc.insecure_channel(endpoint)
+        self._status = etcdrpc.MaintenanceStub(self._channel).Status
+        self._probes = 0
+
+    def __call__(self) -> EtcdSample:
+        deadline = time.monotonic() + self._timeout
+        committed = self._status(etcdrpc.StatusRequest(), timeout=self._timeout).raftIndex
+        self._probes += 1
+        while True:
+            now = sample(self._metrics_url, self._timeout)
+            if now.proposals >= committed:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"etcd's proposals gauge stayed at {now.proposals:.0f}, "
+                                   f"below its committed index {committed}")
+            time.sleep(0.001)
+        requests = dict(now.requests)
+        requests["Status"] = requests.get("Status", 0.0) - self._probes
+        return dataclasses.replace(now, requests=requests)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> SettledSampler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

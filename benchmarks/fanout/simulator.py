@@ -31,7 +31,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .etcd_metrics import Counts, sample
+from .etcd_metrics import Counts, SettledSampler
 from .patterns import PATTERNS
 from .recording import Access
 from .worker import RankGroup, serve
@@ -187,7 +187,9 @@ def run_pattern(pattern: str, world: int, etcd_endpoint: str | None = None,
         workers: list[Any] = [_Remote(ctx, f"fanout-worker-{i}") for i in range(len(blocks))]
     else:
         workers = [_Local()]
-    measure = (lambda: sample(metrics_url)) if kind == "etcd" else None  # type: ignore[arg-type]
+    # etcd's counts, each covering every proposal committed before it (SettledSampler).
+    measure = SettledSampler(etcd_endpoint, metrics_url) \
+        if etcd_endpoint is not None and metrics_url is not None else None
     try:
         for w, ranks in zip(workers, blocks, strict=True):
             w.send("init", ranks, world, backend, pattern, budget)
@@ -234,6 +236,8 @@ def run_pattern(pattern: str, world: int, etcd_endpoint: str | None = None,
     finally:
         for w in workers:
             w.close()
+        if measure is not None:
+            measure.close()
 
 
 def _settled(workers: list[Any], measure: Any) -> Any:
