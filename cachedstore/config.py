@@ -7,7 +7,7 @@ import random
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
-__all__ = ["WATCH_SCOPES", "Backoff", "StoreConfig", "seconds"]
+__all__ = ["WATCH_SCOPES", "WATCH_TRANSPORTS", "Backoff", "StoreConfig", "seconds"]
 
 
 def seconds(value: float | timedelta | None, what: str = "timeout") -> float | None:
@@ -67,6 +67,8 @@ class Backoff:
 
 #: The values of :attr:`StoreConfig.watch_scope`.
 WATCH_SCOPES = ("prefix", "touched")
+#: The values of :attr:`StoreConfig.watch_transport`.
+WATCH_TRANSPORTS = ("grpc", "wire")
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,13 @@ class StoreConfig:
     #: With ``watch_scope="touched"``: the most scopes watched. Touching one more makes the
     #: store fall back to watching its whole prefix (once, for good).
     max_watches: int = 64
+    #: How the watch stream reaches etcd. ``"wire"``: on an HTTP/2 connection of its
+    #: own, read by the watch thread itself (``cachedstore/wire.py``), at half of
+    #: grpcio's client CPU per event or less (``benchmarks/FANOUT.md``); a store then holds
+    #: two connections to its endpoint. ``"grpc"``: through grpcio, like every other call
+    #: (one connection; honours grpcio's proxy environment variables). Both work with
+    #: TLS, auth and etcd's grpc-proxy; unary calls always use grpcio.
+    watch_transport: str = "wire"
     #: One ``get``/``aget`` call in this many is timed into
     #: ``cachedstore_request_duration_seconds`` (hits and misses alike, so its quantiles are
     #: unbiased); 1 times every call at about 0.7 µs more per cache hit. Counts are exact.
@@ -138,12 +147,14 @@ class StoreConfig:
     backoff: Backoff = field(default_factory=Backoff)
 
     def __post_init__(self) -> None:
-        if self.watch_scope not in WATCH_SCOPES:
-            from .errors import InvalidInputError
+        from .errors import InvalidInputError
 
-            raise InvalidInputError(
-                f"watch_scope must be one of {', '.join(map(repr, WATCH_SCOPES))}, "
-                f"got {self.watch_scope!r}")
+        for name, allowed in (("watch_scope", WATCH_SCOPES),
+                              ("watch_transport", WATCH_TRANSPORTS)):
+            if getattr(self, name) not in allowed:
+                raise InvalidInputError(
+                    f"{name} must be one of {', '.join(map(repr, allowed))}, "
+                    f"got {getattr(self, name)!r}")
 
     @property
     def snapshot_limit(self) -> int:

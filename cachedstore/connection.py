@@ -12,6 +12,7 @@ cachedstore errors.
 from __future__ import annotations
 
 import logging
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -37,6 +38,7 @@ from .errors import (
 )
 from .etcdapi import TRANSPORT_FAILURES, Failure
 from .metrics import NullMetrics, StoreMetrics
+from .wire import WireStub
 
 log = logging.getLogger("cachedstore.connection")
 
@@ -113,6 +115,20 @@ class Credentials:
         return grpc.ssl_channel_credentials(
             read(self.ca_cert), read(self.cert_key), read(self.cert_cert))
 
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The same TLS material as an ``ssl`` client context speaking HTTP/2 (for the
+        ``wire`` watch transport); None for plaintext."""
+        if not self.secure:
+            return None
+        try:
+            context = ssl.create_default_context(cafile=self.ca_cert)
+            if self.cert_cert is not None:
+                context.load_cert_chain(self.cert_cert, self.cert_key)
+        except (OSError, ssl.SSLError) as exc:
+            raise InvalidInputError(f"cannot load the TLS files: {exc}") from None
+        context.set_alpn_protocols(["h2"])
+        return context
+
     def __repr__(self) -> str:
         return (f"Credentials(tls={self.secure}, client_cert={self.cert_cert is not None}, "
                 f"user={self.user!r}, password={'***' if self._password else None})")
@@ -163,12 +179,14 @@ class _Endpoint:
     cluster it belongs to if it does not (it is then never used again)."""
 
     __slots__ = ("target", "channel", "kv", "maintenance", "auth", "watch", "lease",
-                 "checked", "foreign")
+                 "watch_stream", "checked", "foreign")
     kv: Any
     maintenance: Any
     auth: Any
     watch: Any
     lease: Any
+    #: What the store's watch stream is opened with: ``watch`` (grpcio), or a WireStub.
+    watch_stream: Any
 
     def __init__(self, target: str) -> None:
         self.target = target
@@ -193,6 +211,8 @@ class Connection:
             _Endpoint(f"[{h}]:{p}" if ":" in h else f"{h}:{p}") for h, p in endpoints]
         self._credentials = credentials
         self._channel_credentials = credentials.channel_credentials()
+        self._ssl_context = credentials.ssl_context() \
+            if config.watch_transport == "wire" else None
         self._config = config
         self._metrics = metrics
         #: Deadlines and back-off waits (gRPC's own timeouts are real seconds).
@@ -247,6 +267,10 @@ class Connection:
                 ep.auth = etcdrpc.AuthStub(ep.channel)
                 ep.watch = etcdrpc.WatchStub(ep.channel)
                 ep.lease = etcdrpc.LeaseStub(ep.channel)
+                ep.watch_stream = ep.watch if self._config.watch_transport == "grpc" \
+                    else WireStub(ep.target, self._ssl_context,
+                                  min(max(self._config.connect_timeout, 1.0), 20.0),
+                                  etcdrpc.WatchResponse.FromString, "cachedstore-watch-send")
             return index, ep
 
     def failover(self, failed_index: int) -> None:

@@ -106,7 +106,8 @@ class EtcdStore:
             ``prometheus_client.REGISTRY`` to use the global one.
         metrics: False to record no metrics at all.
         request_timeout, connect_timeout, stall_timeout, progress_interval, max_staleness,
-        max_txn_ops, max_request_bytes, preload_limit, watch_scope, max_watches: see
+        max_txn_ops, max_request_bytes, preload_limit, watch_scope, max_watches,
+        watch_transport: see
             :class:`~cachedstore.StoreConfig`. ``watch_scope="touched"`` makes the store
             watch only the directories (``"dir/"``) and names its reads touched: for jobs
             whose ranks each use a small part of a shared prefix (torch process groups).
@@ -140,6 +141,7 @@ class EtcdStore:
         preload_limit: int | None = None,
         watch_scope: str | None = None,
         max_watches: int | None = None,
+        watch_transport: str | None = None,
         config: StoreConfig | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
@@ -152,7 +154,8 @@ class EtcdStore:
             connect_timeout=connect_timeout, stall_timeout=stall_timeout,
             progress_interval=progress_interval, max_staleness=max_staleness,
             max_txn_ops=max_txn_ops, max_request_bytes=max_request_bytes,
-            preload_limit=preload_limit, watch_scope=watch_scope, max_watches=max_watches)
+            preload_limit=preload_limit, watch_scope=watch_scope, max_watches=max_watches,
+            watch_transport=watch_transport)
         self._config = cfg
         self._clock = clock
         self._keys = KeySpace(prefix, cfg.max_request_bytes)

@@ -426,7 +426,7 @@ class Watcher:
 
         self._stream_contact = clock.monotonic()
         self._progress_answered = False
-        call = endpoint.watch.Watch(request_stream(), metadata=self._conn.metadata())
+        call = endpoint.watch_stream.Watch(request_stream(), metadata=self._conn.metadata())
         self._call = call
         if self._stopping.is_set() or self._rescope:
             call.cancel()

@@ -6,6 +6,9 @@ one ``EtcdStore`` in this process applies them. CPU is this process's user + sys
 revision, divided by the events; the store's watch thread (found by its name,
 ``cachedstore-watch-*``) is split out from ``/proc/self/task``. Public API only. Blocks
 for the measurement (bounded by ``timeout``); the writer process is killed if it overruns.
+
+:func:`compare_transports` runs the store with each ``watch_transport`` in turn, round by
+round, and keeps each one's median round.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 
 from .etcd_metrics import sample
 
-__all__ = ["measure_watch_cpu"]
+__all__ = ["compare_transports", "measure_watch_cpu"]
 
 _WRITER = """
 import sys, etcd3
@@ -42,17 +45,20 @@ def _thread_cpu(native_id: int) -> float:
 
 
 def measure_watch_cpu(etcd_endpoint: str, metrics_url: str, *, events: int = 2_000,
-                      timeout: float = 120.0) -> dict[str, Any]:
+                      timeout: float = 120.0, watch_transport: str = "grpc"
+                      ) -> dict[str, Any]:
     """CPU seconds per watch event of one store (total, watch thread, other threads)."""
     from cachedstore import EtcdStore
 
     host, _, port = etcd_endpoint.rpartition(":")
     prefix = f"/fanout-cpu/{uuid.uuid4().hex[:8]}/"
     before_threads = {t.ident for t in threading.enumerate()}
-    store = EtcdStore(host, int(port), prefix=prefix, cache_size=2 * events)
+    store = EtcdStore(host, int(port), prefix=prefix, cache_size=2 * events,
+                      watch_transport=watch_transport)
     try:
         watch = [t for t in threading.enumerate()
-                 if t.ident not in before_threads and t.name.startswith("cachedstore-watch")]
+                 if t.ident not in before_threads and t.name.startswith("cachedstore-watch")
+                 and not t.name.endswith("-send")]
         watch_id = watch[0].native_id if watch and watch[0].native_id else 0
         r0, w0, t0 = resource.getrusage(resource.RUSAGE_SELF), _thread_cpu(watch_id), \
             time.perf_counter()
@@ -74,7 +80,27 @@ def measure_watch_cpu(etcd_endpoint: str, metrics_url: str, *, events: int = 2_0
     finally:
         store.close()
     cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
-    return {"events": events, "caught_up": caught_up, "wall_s": t1 - t0, "cpu_s": cpu,
+    return {"events": events, "watch_transport": watch_transport, "caught_up": caught_up,
+            "wall_s": t1 - t0, "cpu_s": cpu,
             "cpu_per_event_s": cpu / events,
             "watch_thread_cpu_per_event_s": (w1 - w0) / events,
             "other_threads_cpu_per_event_s": (cpu - (w1 - w0)) / events}
+
+
+def compare_transports(etcd_endpoint: str, metrics_url: str, *, rounds: int = 3,
+                       transports: tuple[str, ...] = ("grpc", "wire"), **kwargs: Any
+                       ) -> dict[str, dict[str, Any]]:
+    """:func:`measure_watch_cpu` of each transport, interleaved for ``rounds`` rounds;
+    transport -> its median round (by CPU per event), with every round's figure."""
+    runs: dict[str, list[dict[str, Any]]] = {t: [] for t in transports}
+    for _ in range(rounds):
+        for transport in transports:
+            runs[transport].append(measure_watch_cpu(etcd_endpoint, metrics_url,
+                                                     watch_transport=transport, **kwargs))
+    out = {}
+    for transport, results in runs.items():
+        ordered = sorted(results, key=lambda r: r["cpu_per_event_s"])
+        median = dict(ordered[len(ordered) // 2])
+        median["rounds_cpu_per_event_s"] = [r["cpu_per_event_s"] for r in results]
+        out[transport] = median
+    return out

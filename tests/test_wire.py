@@ -1,0 +1,270 @@
+"""The ``wire`` watch transport (``cachedstore/wire.py``) against a real etcd: what a gRPC
+watch gives (events in order, progress answers, errors with grpcio's codes), flow control
+both ways, cancellation from another thread, TLS and auth tokens (through the store), and
+nothing left running after a call."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from etcd3 import etcdrpc
+
+from cachedstore import EtcdStore, InvalidInputError
+from cachedstore.server import LocalEtcd, make_tls_files
+from cachedstore.wire import WINDOW, WireError, WireStub
+from tests.util import eventually, raw_client
+
+pytestmark = pytest.mark.timeout(120)
+
+_DECODE = etcdrpc.WatchResponse.FromString
+
+
+def _stub(target: str) -> WireStub:
+    return WireStub(target, None, 5.0, _DECODE, "test-wire-send")
+
+
+def _create(prefix: str, start: int = 0) -> Any:
+    key = prefix.encode()
+    return etcdrpc.WatchRequest(create_request=etcdrpc.WatchCreateRequest(
+        key=key, range_end=key[:-1] + bytes([key[-1] + 1]), start_revision=start))
+
+
+def _requests(*first: Any, then: threading.Event | None = None,
+              more: Callable[[], Iterator[Any]] | None = None) -> Iterator[Any]:
+    """``first``, then whatever ``more`` yields, then wait for ``then`` (the call's end)."""
+    yield from first
+    if more is not None:
+        yield from more()
+    if then is not None:
+        then.wait(60)
+
+
+def _events(call: Any, n: int) -> list[tuple[int, bytes, bytes, int]]:
+    seen: list[tuple[int, bytes, bytes, int]] = []
+    for response in call:
+        seen += [(e.type, e.kv.key, e.kv.value, e.kv.mod_revision) for e in response.events]
+        if len(seen) >= n:
+            return seen
+    raise AssertionError(f"the stream ended after {len(seen)} of {n} events")
+
+
+def _threads() -> set[str]:
+    return {t.name for t in threading.enumerate() if t.name == "test-wire-send"}
+
+
+def test_events_arrive_in_order_as_grpcio_delivers_them(etcd: LocalEtcd, prefix: str) -> None:
+    client = raw_client(etcd)
+    done = threading.Event()
+    wire = _stub(etcd.endpoint).Watch(_requests(_create(prefix), then=done))
+    grpc_channel = grpc.insecure_channel(etcd.endpoint)
+    reference = etcdrpc.WatchStub(grpc_channel).Watch(iter([_create(prefix)]))
+    try:
+        assert next(wire).created and next(reference).created
+        for i in range(50):
+            client.put(f"{prefix}k{i % 7}", f"v{i}")
+            if i % 5 == 4:
+                client.delete(f"{prefix}k{i % 7}")
+        assert _events(wire, 60) == _events(reference, 60)
+    finally:
+        done.set()
+        wire.cancel()
+        reference.cancel()
+        grpc_channel.close()
+        client.close()
+
+
+def test_progress_requests_are_answered(etcd: LocalEtcd, prefix: str) -> None:
+    """More progress requests than etcd's initial 64 KiB receive window holds (7 bytes
+    each framed): all go out, as etcd credits them, and each gets its answer."""
+    n = 12_000
+    done = threading.Event()
+    progress = etcdrpc.WatchRequest(progress_request=etcdrpc.WatchProgressRequest())
+    call = _stub(etcd.endpoint).Watch(_requests(
+        _create(prefix), then=done, more=lambda: iter([progress] * n)))
+    try:
+        answers = 0
+        for response in call:
+            if not response.created and not response.events:
+                answers += 1
+                if answers == n:
+                    break
+        assert answers == n
+    finally:
+        done.set()
+        call.cancel()
+
+
+def test_requests_wait_for_the_peers_credit() -> None:
+    """A peer that never credits its window (a listener that reads and answers nothing)
+    receives at most its initial 65,535 bytes of request data, however many requests
+    are queued."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    received = bytearray()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        conn.settimeout(2.0)
+        with conn:
+            try:
+                while chunk := conn.recv(1 << 16):
+                    received.extend(chunk)
+            except OSError:
+                pass
+
+    server = threading.Thread(target=serve, name="test-wire-peer", daemon=True)
+    server.start()
+    progress = etcdrpc.WatchRequest(progress_request=etcdrpc.WatchProgressRequest())
+    call = _stub(f"127.0.0.1:{listener.getsockname()[1]}").Watch(iter([progress] * 20_000))
+    def read() -> None:  # sends the queued requests until the peer goes away
+        with pytest.raises(grpc.RpcError):
+            next(call)
+
+    reader = threading.Thread(target=read, name="test-wire-reader", daemon=True)
+    try:
+        reader.start()
+        server.join(10)  # the peer reads until 2 s pass without data
+        data = bytes(received)
+        assert data.startswith(b"PRI * HTTP/2.0")
+        pos, sent = 24, 0
+        while pos + 9 <= len(data):
+            length = int.from_bytes(data[pos:pos + 3], "big")
+            if data[pos + 3] == 0:  # DATA
+                sent += length
+            pos += 9 + length
+        assert 60_000 < sent <= 65_535, sent
+    finally:
+        call.cancel()
+        reader.join(5)
+        listener.close()
+
+
+def test_receive_window_is_credited_back(etcd: LocalEtcd, prefix: str) -> None:
+    """More event bytes than the window the transport advertises: etcd stops sending
+    unless the reader credits what it consumed."""
+    value = b"x" * 1_000_000
+    n = WINDOW // len(value) + 8
+    client = raw_client(etcd)
+    revision = client.put(f"{prefix}start", "0").header.revision
+    for i in range(n):
+        client.put(f"{prefix}big{i}", value)
+    done = threading.Event()
+    call = _stub(etcd.endpoint).Watch(_requests(_create(prefix, revision + 1), then=done))
+    try:
+        seen = _events(call, n)
+        assert [kv for _, kv, _, _ in seen] == [f"{prefix}big{i}".encode() for i in range(n)]
+        assert all(v == value for _, _, v, _ in seen)
+    finally:
+        done.set()
+        call.cancel()
+        client.delete_prefix(prefix)
+        client.close()
+
+
+def test_cancel_from_another_thread_ends_a_blocked_read(etcd: LocalEtcd, prefix: str) -> None:
+    done = threading.Event()
+    call = _stub(etcd.endpoint).Watch(_requests(_create(prefix), then=done))
+    assert next(call).created
+    timer = threading.Timer(0.3, call.cancel)
+    timer.start()
+    with pytest.raises(grpc.RpcError) as info:
+        next(call)  # nothing arrives: blocked until the cancel
+    assert info.value.code() is grpc.StatusCode.CANCELLED
+    done.set()
+    eventually(lambda: not _threads(), what="the sender thread ended")
+    call.cancel()  # idempotent
+    with pytest.raises(grpc.RpcError):
+        next(call)
+
+
+def test_a_call_never_read_is_released_by_cancel(etcd: LocalEtcd, prefix: str) -> None:
+    done = threading.Event()
+    call = _stub(etcd.endpoint).Watch(_requests(_create(prefix), then=done))
+    assert next(call).created
+    call.cancel()  # nobody is reading: the connection is closed here
+    assert call._sock is not None and call._sock.fileno() == -1
+    done.set()
+    eventually(lambda: not _threads(), what="the sender thread ended")
+
+
+def test_an_unreachable_endpoint_fails_on_the_first_read(prefix: str) -> None:
+    with socket.socket() as s:  # a free port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    call = _stub(f"127.0.0.1:{port}").Watch(iter([_create(prefix)]))  # does not raise
+    with pytest.raises(grpc.RpcError) as info:
+        next(call)
+    assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+    assert isinstance(info.value, WireError) and "refused" in info.value.details().lower()
+
+
+def test_a_dying_etcd_ends_the_stream_unavailable(etcd_factory: Callable[..., LocalEtcd],
+                                                  prefix: str) -> None:
+    server = etcd_factory()
+    done = threading.Event()
+    call = _stub(server.endpoint).Watch(_requests(_create(prefix), then=done))
+    assert next(call).created
+    server.stop()
+    with pytest.raises(grpc.RpcError) as info:
+        next(call)
+    done.set()
+    assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_request_iterator_that_raises_ends_the_call_unknown(etcd: LocalEtcd, prefix: str
+                                                              ) -> None:
+    def broken() -> Iterator[Any]:
+        yield _create(prefix)
+        time.sleep(0.2)
+        raise RuntimeError("boom")
+
+    call = _stub(etcd.endpoint).Watch(broken())
+    assert next(call).created
+    with pytest.raises(grpc.RpcError) as info:
+        next(call)
+    assert info.value.code() is grpc.StatusCode.UNKNOWN
+
+
+def test_etcd_errors_arrive_with_their_grpc_status(etcd: LocalEtcd, prefix: str) -> None:
+    """A method etcd does not have: etcd answers with trailers only (UNIMPLEMENTED)."""
+    from cachedstore.wire import WireCall
+
+    call = WireCall(("127.0.0.1", int(etcd.endpoint.rsplit(":", 1)[1])), etcd.endpoint, None,
+                    5.0, "/etcdserverpb.Watch/NoSuchMethod", (), iter([_create(prefix)]),
+                    _DECODE, "test-wire-send")
+    with pytest.raises(grpc.RpcError) as info:
+        next(call)
+    assert info.value.code() is grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_the_store_over_tls_and_auth(etcd_factory: Callable[..., LocalEtcd], tmp_path: Path,
+                                     prefix: str) -> None:
+    """The store's watch over the wire transport with a client certificate and an etcd
+    user: writes by another client reach the cache, and the stream carries the token."""
+    files = make_tls_files(tmp_path / "pki", client_cert_auth=True)
+    server = etcd_factory(tls=files)
+    server.etcdctl("user", "add", "bob", "--interactive=false", input="b0b-pw\n")
+    server.etcdctl("role", "add", "r")
+    server.etcdctl("role", "grant-permission", "r", "--prefix=true", "readwrite", prefix)
+    server.etcdctl("user", "grant-role", "bob", "r")
+    server.enable_auth("r00t-pw")
+    with EtcdStore(endpoints=[server.endpoint], prefix=prefix, ca_cert=files.ca_cert,
+                   cert_key=files.client_key, cert_cert=files.client_cert, user="bob",
+                   password="b0b-pw", watch_transport="wire") as store:
+        store.set("k", "1")
+        assert store.get("k") == b"1"
+        server.etcdctl("put", prefix + "k", "2", user="root", password="r00t-pw")
+        eventually(lambda: store._cache.peek("k") is not None
+                   and store._cache.peek("k")[0] == b"2", what="the event reached the cache")
+        assert store.watch_healthy and store._watcher.restarts == 0
+
+
+def test_an_unknown_transport_is_refused() -> None:
+    with pytest.raises(InvalidInputError, match="watch_transport"):
+        EtcdStore(endpoints=["127.0.0.1:1"], watch_transport="quic")
