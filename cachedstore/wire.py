@@ -161,6 +161,7 @@ class WireCall:
         self._poller: Any = None  # select.epoll: the socket and the wake-up socket
         self._polled_for_write = False
         self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_w.setblocking(False)
         self._wake_fd = self._wake_r.fileno()
         self._lock = threading.Lock()  # guards _outbox, _cancelled, _abort
         self._outbox: deque[bytes] = deque()  # request messages from the sender thread
@@ -173,7 +174,7 @@ class WireCall:
         self._ended = False  # the stream ended with status OK
         self._responses: deque[Any] = deque()
         self._inbuf = b""
-        self._message = b""
+        self._message = bytearray()  # a message whose frames have not all arrived
         self._unsent = b""  # frames written in part (the socket buffer was full)
         self._decoder = hpack.Decoder()
         self._headers_seen = False
@@ -206,7 +207,8 @@ class WireCall:
                         self._connect()
                     self._pump()
                 except WireError:
-                    raise
+                    if not self._responses:
+                        raise  # else: deliver what came before the error, then raise it
                 except OSError as exc:  # ssl.SSLError included
                     self._fail(grpc.StatusCode.UNAVAILABLE,
                                f"connection to {self._headers[3][1]} lost: {exc}")
@@ -300,10 +302,13 @@ class WireCall:
         self._receive(data)
 
     def _wake(self) -> None:
-        try:
-            self._wake_w.send(b"\0")
-        except OSError:  # closed, or its buffer is full: a wake-up is pending anyway
-            pass
+        with self._lock:  # never after _close: the fd number may belong to another socket
+            if self._closed:
+                return
+            try:
+                self._wake_w.send(b"\0")
+            except OSError:  # its buffer is full: a wake-up is pending anyway
+                pass
 
     def _fail(self, code: grpc.StatusCode, details: str) -> None:
         """End the call with an error (CANCELLED if it was cancelled) and raise it."""
@@ -320,7 +325,8 @@ class WireCall:
             if self._closed:
                 return
             self._closed = self._cancelled = True  # the sender stops at its next message
-        for closeable in (self._poller, self._sock, self._wake_r, self._wake_w):
+            self._wake_w.close()
+        for closeable in (self._poller, self._sock, self._wake_r):
             if closeable is not None:
                 try:
                     closeable.close()
@@ -380,7 +386,7 @@ class WireCall:
     def _receive(self, data: bytes) -> None:
         buf = self._inbuf + data if self._inbuf else data
         pos, end = 0, len(buf)
-        while end - pos >= 9:
+        while end - pos >= 9 and not self._ended:
             length = (buf[pos] << 16) | (buf[pos + 1] << 8) | buf[pos + 2]
             if end - pos < 9 + length:
                 break
@@ -434,16 +440,27 @@ class WireCall:
             return
         if flags & _PADDED:
             payload = payload[1:len(payload) - payload[0]]
-        message = self._message + payload if self._message else payload
-        while len(message) >= 5:
-            if message[0]:
+        # A message spread over many frames (a catch-up of many revisions) grows a
+        # bytearray in place; a frame holding whole messages is parsed as it is.
+        message: bytes | bytearray
+        if self._message:
+            self._message += payload
+            message = self._message
+        else:
+            message = payload
+        pos, end = 0, len(message)
+        while end - pos >= 5:
+            if message[pos]:
                 self._fail(grpc.StatusCode.INTERNAL, "a compressed message (none was asked)")
-            size = int.from_bytes(message[1:5], "big")
-            if len(message) < 5 + size:
+            size = int.from_bytes(message[pos + 1:pos + 5], "big")
+            if end - pos < 5 + size:
                 break
-            self._responses.append(self._deserialize(message[5:5 + size]))
-            message = message[5 + size:]
-        self._message = message
+            self._responses.append(self._deserialize(bytes(message[pos + 5:pos + 5 + size])))
+            pos += 5 + size
+        if message is self._message:
+            del self._message[:pos]
+        elif pos < end:
+            self._message = bytearray(message[pos:])
         if flags & _END_STREAM:
             self._fail(grpc.StatusCode.INTERNAL, "the stream ended without a status")
 
