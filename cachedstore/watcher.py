@@ -467,6 +467,12 @@ class Watcher:
                 stream.kick.set()
                 self._stream = None
             call.cancel()
+            # The request side returns now (ended, kicked); the wire transport's thread
+            # that runs it is waited for, so that none outlives the stream (or close()).
+            # Bounded: the request side may be inside a liveness probe or access check.
+            join = getattr(call, "join", None)
+            if join is not None:
+                join(self._config.progress_interval + 1.0)
             self._call = None
 
     def _refresh_quiet_scopes(self) -> None:

@@ -32,7 +32,8 @@ never raises: the first iteration connects and reports a failure.
 Threads: one thread iterates a call and does all its socket I/O (TLS objects are not shared
 between threads); a named daemon thread per call consumes the request iterator, as grpcio's
 request-consumer thread does, and hands each message to the reader through a queue and a
-wake-up socket. :meth:`WireCall.cancel` may be called from any thread, any number of times.
+wake-up socket. :meth:`WireCall.cancel` may be called from any thread, any number of times;
+:meth:`WireCall.join` waits for the sender thread, which ends with the request iterator.
 """
 
 from __future__ import annotations
@@ -157,6 +158,7 @@ class WireCall:
         self._requests = requests
         self._deserialize = deserialize
         self._thread_name = thread_name
+        self._sender: threading.Thread | None = None
         self._sock: socket.socket | ssl.SSLSocket | None = None
         self._poller: Any = None  # select.epoll: the socket and the wake-up socket
         self._polled_for_write = False
@@ -233,6 +235,16 @@ class WireCall:
         else:
             self._close()
 
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the sender thread to end, which it does once
+        the request iterator ends (or at its next message after :meth:`cancel`). True if
+        it has ended (or never started, or this is it)."""
+        sender = self._sender
+        if sender is None or sender is threading.current_thread():
+            return True
+        sender.join(timeout)
+        return not sender.is_alive()
+
     # -- connection ------------------------------------------------------------------------
     def _connect(self) -> None:
         if self._cancelled:
@@ -257,8 +269,9 @@ class WireCall:
                    + _frame(_WINDOW_UPDATE, 0, 0, (WINDOW - _DEFAULT_WINDOW).to_bytes(4, "big"))
                    + _frame(_HEADERS, _END_HEADERS, _STREAM,
                             header_block(self._headers)))
-        threading.Thread(target=self._consume_requests, name=self._thread_name,
-                         daemon=True).start()
+        self._sender = threading.Thread(target=self._consume_requests,
+                                        name=self._thread_name, daemon=True)
+        self._sender.start()
 
     def _pump(self) -> None:
         """Wait for the socket or the sender, then read and answer what arrived."""
@@ -273,7 +286,11 @@ class WireCall:
             if cancelled:
                 self._fail(grpc.StatusCode.CANCELLED, "cancelled")
             self._waiting.extend(outbox)
-        while self._waiting and not self._half_closed and self._queue_message(self._waiting[0]):
+        while self._waiting and not self._half_closed:
+            rest = self._frame_request(self._waiting[0])
+            if rest:  # the windows are full: the rest waits for etcd's credit
+                self._waiting[0] = rest
+                break
             self._waiting.popleft()
         if self._unsent:
             self._flush()
@@ -353,21 +370,23 @@ class WireCall:
                                         "exception iterating requests")
         self._wake()
 
-    def _queue_message(self, message: bytes) -> bool:
-        """Frame one request message (b"": end of requests) if the send windows allow;
-        False if it must wait for etcd's credit (etcd's watch requests are tens of bytes
-        against windows of 64 KiB that etcd credits back as it reads them)."""
+    def _frame_request(self, message: bytes) -> bytes:
+        """Frame as much of one request message (b"": end of requests) as the send
+        windows allow, in frames of at most the peer's frame size; return the part that
+        must wait for etcd's credit (b"": all of it went)."""
         if not message:
             self._half_closed = True
             self._send(_frame(_DATA, _END_STREAM, _STREAM))
-            return True
-        if min(self._send_window) < len(message):
-            return False
-        self._send_window[0] -= len(message)
-        self._send_window[1] -= len(message)
-        for start in range(0, len(message), self._max_frame):
-            self._send(_frame(_DATA, 0, _STREAM, message[start:start + self._max_frame]))
-        return True
+            return b""
+        room = min(len(message), *self._send_window)
+        if room <= 0:
+            return message
+        for start in range(0, room, self._max_frame):
+            self._send(_frame(_DATA, 0, _STREAM,
+                              message[start:min(room, start + self._max_frame)]))
+        self._send_window[0] -= room
+        self._send_window[1] -= room
+        return message[room:]
 
     def _send(self, data: bytes) -> None:
         self._unsent += data

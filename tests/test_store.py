@@ -291,6 +291,25 @@ def test_threads_are_named_and_stop_on_close(etcd, prefix):
     assert leftover == []
 
 
+def test_the_watch_streams_sender_thread_is_gone_after_close(etcd, prefix, monkeypatch):
+    """The wire transport's sender thread ends after its request iterator: forced to
+    linger there, it must still be gone when close() returns (the watcher joins it)."""
+    import cachedstore.wire as wire
+
+    consume = wire.WireCall._consume_requests
+
+    def lingering(self):
+        consume(self)
+        time.sleep(0.5)  # what the thread may still do after the iterator ended
+
+    monkeypatch.setattr(wire.WireCall, "_consume_requests", lingering)
+    store = EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, watch_transport="wire")
+    assert any(t.name == "cachedstore-watch-send" for t in threading.enumerate())
+    store.close()
+    assert [t for t in threading.enumerate() if t.name == "cachedstore-watch-send"
+            and t.is_alive()] == []
+
+
 def test_repr_and_stats(store):
     store.set("a", "1")
     text = repr(store)

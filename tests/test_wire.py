@@ -145,6 +145,89 @@ def test_requests_wait_for_the_peers_credit() -> None:
         listener.close()
 
 
+def test_a_request_larger_than_the_window_goes_out_in_parts(etcd: LocalEtcd, prefix: str
+                                                           ) -> None:
+    """A watch create of a 100 KB key is more than etcd's initial 64 KiB window: the
+    part that fits goes first, the rest as etcd credits it, and etcd answers."""
+    done = threading.Event()
+    key = (prefix + "k" * 100_000).encode()
+    create = etcdrpc.WatchRequest(create_request=etcdrpc.WatchCreateRequest(key=key))
+    call = _stub(etcd.endpoint).Watch(_requests(create, then=done))
+    try:
+        assert next(call).created
+    finally:
+        done.set()
+        call.cancel()
+
+
+def _peer_says(frames: bytes) -> tuple[socket.socket, threading.Event]:
+    """A listener that answers the first connection with ``frames`` in one write, then
+    holds it open until the returned event is set: an HTTP/2 peer's last words."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(frames)
+            done.wait(10)
+
+    threading.Thread(target=serve, name="test-wire-peer", daemon=True).start()
+    return listener, done
+
+
+def _response_frames(*messages: Any, trailers: dict[str, str] | None = None) -> bytes:
+    """SETTINGS, response headers, one DATA frame per message, and trailers."""
+    import hpack
+
+    from cachedstore.wire import _frame
+
+    encoder = hpack.Encoder()
+    out = _frame(4, 0, 0) + _frame(1, 4, 1, encoder.encode(
+        [(":status", "200"), ("content-type", "application/grpc")]))
+    for message in messages:
+        data = message.SerializeToString()
+        out += _frame(0, 0, 1, b"\0" + len(data).to_bytes(4, "big") + data)
+    if trailers is not None:
+        out += _frame(1, 4 | 1, 1, encoder.encode(list(trailers.items())))
+    return out
+
+
+def test_responses_before_an_error_are_delivered_first() -> None:
+    """etcd's last responses and the error that follows them in the same read: grpcio
+    delivers the responses, then raises; so must the wire transport."""
+    created = etcdrpc.WatchResponse(created=True, watch_id=0)
+    canceled = etcdrpc.WatchResponse(canceled=True, watch_id=0, cancel_reason="boom")
+    listener, done = _peer_says(_response_frames(created, canceled)
+                                + (b"\0\0\x04\x03\0\0\0\0\x01" + (2).to_bytes(4, "big")))
+    call = _stub(f"127.0.0.1:{listener.getsockname()[1]}").Watch(iter([]))
+    try:
+        assert next(call).created
+        assert next(call).cancel_reason == "boom"
+        with pytest.raises(grpc.RpcError) as info:
+            next(call)
+        assert info.value.code() is grpc.StatusCode.INTERNAL  # RST_STREAM INTERNAL_ERROR
+    finally:
+        done.set()
+        call.cancel()
+        listener.close()
+
+
+def test_frames_after_a_clean_end_change_nothing() -> None:
+    """Status OK in the trailers, then a RST_STREAM(NO_ERROR) in the same read (grpc-go
+    sends one to a client that has not half-closed): the call ended cleanly."""
+    created = etcdrpc.WatchResponse(created=True, watch_id=0)
+    listener, done = _peer_says(_response_frames(created, trailers={"grpc-status": "0"})
+                                + (b"\0\0\x04\x03\0\0\0\0\x01" + (0).to_bytes(4, "big")))
+    call = _stub(f"127.0.0.1:{listener.getsockname()[1]}").Watch(iter([]))
+    try:
+        assert [r.created for r in call] == [True]  # then StopIteration, not an error
+    finally:
+        done.set()
+        call.cancel()
+        listener.close()
+
+
 def test_receive_window_is_credited_back(etcd: LocalEtcd, prefix: str) -> None:
     """More event bytes than the window the transport advertises: etcd stops sending
     unless the reader credits what it consumed."""
