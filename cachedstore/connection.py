@@ -228,7 +228,9 @@ class Connection:
         # (TCP, TLS and HTTP/2 handshakes) may take: 100 ms failed every TLS handshake over
         # a link slower than ~25 ms one-way. An attempt may take up to connect_timeout
         # (at least 1 s, at most gRPC's own 20 s); retries still start 100 ms apart.
-        connect_ms = int(min(max(config.connect_timeout, 1.0), 20.0) * 1000)
+        #: How long one connection attempt may take (the wire watch stream's too).
+        self._attempt_timeout = min(max(config.connect_timeout, 1.0), 20.0)
+        connect_ms = int(self._attempt_timeout * 1000)
         self._options = [
             ("grpc.max_receive_message_length", -1),
             ("grpc.max_send_message_length", -1),
@@ -269,7 +271,7 @@ class Connection:
                 ep.lease = etcdrpc.LeaseStub(ep.channel)
                 ep.watch_stream = ep.watch if self._config.watch_transport == "grpc" \
                     else WireStub(ep.target, self._ssl_context,
-                                  min(max(self._config.connect_timeout, 1.0), 20.0),
+                                  self._attempt_timeout,
                                   etcdrpc.WatchResponse.FromString, "cachedstore-watch-send")
             return index, ep
 
@@ -341,11 +343,17 @@ class Connection:
             status = self._status(ep, max(0.001, deadline - self._clock.monotonic()),
                                   self.metadata(), started)
         except grpc.RpcError as exc:
-            code = etcdapi.classify_rpc_error(exc)[1]
-            self._metrics.rpc("status", code.name if code else "UNKNOWN",
-                              time.perf_counter() - started)
+            self._count_failure("status", exc, started)
             raise
         self.check_cluster(index, status.header)
+
+    def _count_failure(self, method: str, exc: grpc.RpcError, started: float) -> Failure:
+        """Count a failed call of ``method`` (begun at perf-counter time ``started``) by
+        its status code; return what the failure means."""
+        failure, code, _ = etcdapi.classify_rpc_error(exc)
+        self._metrics.rpc(method, code.name if code else "UNKNOWN",
+                          time.perf_counter() - started)
+        return failure
 
     def _status(self, ep: _Endpoint, timeout: float, metadata: tuple[tuple[str, str], ...],
                 started: float) -> Any:
@@ -459,9 +467,7 @@ class Connection:
                     started = time.perf_counter()
                 response = _rpc(ep, method)(request, timeout=per_attempt, metadata=metadata)
             except grpc.RpcError as exc:
-                failure, code, _ = etcdapi.classify_rpc_error(exc)
-                self._metrics.rpc(method, code.name if code else "UNKNOWN",
-                                  time.perf_counter() - started)
+                failure = self._count_failure(method, exc, started)
                 if self._closed:
                     raise StoreClosedError("the store is closed") from None
                 if (authenticated and self.has_credentials and not reauthenticated

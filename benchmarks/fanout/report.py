@@ -266,8 +266,7 @@ def markdown(worlds: dict[int, dict[str, Any]], extras: dict[str, Any],
         lines += [_table(["setup", "watch streams etcd opened", "watchers at etcd",
                           "watch msgs etcd sent", "per write", "every store coherent",
                           "watch restarts"], rows), ""]
-    by_transport = extras.get("watch_cpu_by_transport") or (
-        {"grpc": extras["watch_cpu"]} if extras.get("watch_cpu") else {})
+    by_transport = extras.get("watch_cpu_by_transport") or {}
     if by_transport:
         first = next(iter(by_transport.values()))
         lines += ["## Client CPU per watch event (goal 6: ≤ 60 µs)", "",
