@@ -143,13 +143,18 @@ class WireStub:
 
 
 class WireCall:
-    """One call: iterate it for the responses (one thread); ``cancel()`` from any."""
+    """One call: iterate it for the responses (one thread); ``cancel()`` from any.
+
+    Longer than this project's classes usually are: it is one HTTP/2 connection's state
+    (windows, buffers, header decoding, the handshake with the sender thread), which every
+    part below reads and changes; split, the parts would pass that state to each other."""
 
     def __init__(self, address: tuple[str, int], authority: str, tls: ssl.SSLContext | None,
                  connect_timeout: float, path: str, metadata: tuple[tuple[str, str], ...],
                  requests: Iterable[Any], deserialize: Callable[[bytes], Any],
                  thread_name: str) -> None:
         self._address, self._tls, self._connect_timeout = address, tls, connect_timeout
+        self._authority = authority
         self._headers = [(":method", "POST"), (":scheme", "https" if tls else "http"),
                          (":path", path), (":authority", authority),
                          ("content-type", "application/grpc"), ("te", "trailers"),
@@ -163,6 +168,7 @@ class WireCall:
         self._poller: Any = None  # select.epoll: the socket and the wake-up socket
         self._polled_for_write = False
         self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._wake_fd = self._wake_r.fileno()
         self._lock = threading.Lock()  # guards _outbox, _cancelled, _abort
@@ -213,7 +219,7 @@ class WireCall:
                         raise  # else: deliver what came before the error, then raise it
                 except OSError as exc:  # ssl.SSLError included
                     self._fail(grpc.StatusCode.UNAVAILABLE,
-                               f"connection to {self._headers[3][1]} lost: {exc}")
+                               f"connection to {self._authority} lost: {exc}")
                 except Exception as exc:  # a frame or message that does not parse
                     self._fail(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
             return self._responses.popleft()
@@ -247,8 +253,6 @@ class WireCall:
 
     # -- connection ------------------------------------------------------------------------
     def _connect(self) -> None:
-        if self._cancelled:
-            self._fail(grpc.StatusCode.CANCELLED, "cancelled")
         sock: socket.socket | ssl.SSLSocket = socket.create_connection(
             self._address, timeout=self._connect_timeout)
         self._sock = sock
@@ -261,7 +265,6 @@ class WireCall:
         sock.setblocking(False)
         poller = self._poller = select.epoll()
         poller.register(sock.fileno(), select.EPOLLIN)
-        self._wake_r.setblocking(False)
         poller.register(self._wake_fd, select.EPOLLIN)
         settings = (2).to_bytes(2, "big") + (0).to_bytes(4, "big") \
             + (4).to_bytes(2, "big") + WINDOW.to_bytes(4, "big")  # no push; our window
