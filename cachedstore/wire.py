@@ -6,7 +6,7 @@ channel spin thread, GIL hand-offs) and costs ~150 µs of CPU per watch message 
 the code that applies it does. Here the consuming thread reads the socket itself: one
 ``epoll`` wait and one ``recv`` per burst, a few slices, one protobuf decode per message.
 ``benchmarks/FANOUT.md`` ("CPU per watch event") has one run's figures: a store's whole
-CPU per event of 101 µs here against 211 µs through grpcio. Unary calls stay on
+CPU per event of 102 µs here against 242 µs through grpcio. Unary calls stay on
 grpcio: only the watch stream is hot.
 
 What it speaks, for one stream (id 1) per connection:
