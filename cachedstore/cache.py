@@ -135,6 +135,9 @@ class CoherentCache:
         self._waiters: dict[str, list[Waiter]] = {}
         self._prefix_waiters: dict[str, list[Waiter]] = {}
         self._n_waiters = 0
+        #: Called (outside the lock, on the registering thread) when a waiter is added: the
+        #: store has the watch stop pacing (``StoreConfig.watch_pacing``).
+        self.on_waiter: Callable[[], None] | None = None
         self.closed = False
 
     # -- scopes -----------------------------------------------------------------------------
@@ -575,6 +578,9 @@ class CoherentCache:
             table.setdefault(key, []).append(waiter)
             self._n_waiters += 1
         self._metrics.waiters.inc()
+        hook = self.on_waiter
+        if hook is not None:
+            hook()
 
     def _unregister(self, table: dict[str, list[Waiter]], key: str, waiter: Waiter) -> None:
         with self._lock:
@@ -618,6 +624,12 @@ class CoherentCache:
     @property
     def n_waiters(self) -> int:
         return self._n_waiters
+
+    def awaited(self) -> bool:
+        """Whether someone is waiting for what the watch delivers next: a waiter is
+        registered, or the cache is not serving (a scope awaits its create or replays,
+        and reads go to etcd meanwhile). Lock-free; may be stale by one update."""
+        return self._n_waiters > 0 or self.floor != 0
 
     @property
     def n_marks(self) -> int:

@@ -139,6 +139,15 @@ class StoreConfig:
     #: (one connection; honours grpcio's proxy environment variables). Both work with
     #: TLS, auth and etcd's grpc-proxy; unary calls always use grpcio.
     watch_transport: str = "wire"
+    #: With ``watch_transport="wire"``: while no thread waits on the store (a blocking
+    #: ``get``/``wait``, a queue, a barrier) and its cache is serving, the watch thread
+    #: begins waiting for its stream at most once per this many seconds, so that events
+    #: arriving faster are applied in batches (interrupt moderation: each wake-up of the
+    #: thread costs tens of µs of CPU however little it reads; ``benchmarks/FANOUT.md``,
+    #: "CPU per watch event"). An event after a quiet spell is applied at once; one in a
+    #: busy spell is visible to non-blocking reads up to this much later. Blocked readers
+    #: are never delayed. 0 disables it.
+    watch_pacing: float = 0.002
     #: One ``get``/``aget`` call in this many is timed into
     #: ``cachedstore_request_duration_seconds`` (hits and misses alike, so its quantiles are
     #: unbiased); 1 times every call at about 0.7 µs more per cache hit. Counts are exact.
@@ -166,7 +175,8 @@ class StoreConfig:
         """A copy with the given fields replaced (``None`` values are ignored)."""
         given = {k: v for k, v in overrides.items() if v is not None}
         for name in ("timeout", "request_timeout", "connect_timeout", "progress_interval",
-                     "stall_timeout", "keepalive_time", "keepalive_timeout", "max_staleness"):
+                     "stall_timeout", "keepalive_time", "keepalive_timeout", "max_staleness",
+                     "watch_pacing"):
             if name in given:
                 given[name] = seconds(given[name], name)  # type: ignore[arg-type]
         for name in ("cache_size", "max_txn_ops", "max_request_bytes", "latency_sample_every",

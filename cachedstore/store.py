@@ -107,7 +107,7 @@ class EtcdStore:
         metrics: False to record no metrics at all.
         request_timeout, connect_timeout, stall_timeout, progress_interval, max_staleness,
         max_txn_ops, max_request_bytes, preload_limit, watch_scope, max_watches,
-        watch_transport: see
+        watch_transport, watch_pacing: see
             :class:`~cachedstore.StoreConfig`. ``watch_scope="touched"`` makes the store
             watch only the directories (``"dir/"``) and names its reads touched: for jobs
             whose ranks each use a small part of a shared prefix (torch process groups).
@@ -142,6 +142,7 @@ class EtcdStore:
         watch_scope: str | None = None,
         max_watches: int | None = None,
         watch_transport: str | None = None,
+        watch_pacing: float | None = None,
         config: StoreConfig | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
@@ -155,7 +156,7 @@ class EtcdStore:
             progress_interval=progress_interval, max_staleness=max_staleness,
             max_txn_ops=max_txn_ops, max_request_bytes=max_request_bytes,
             preload_limit=preload_limit, watch_scope=watch_scope, max_watches=max_watches,
-            watch_transport=watch_transport)
+            watch_transport=watch_transport, watch_pacing=watch_pacing)
         self._config = cfg
         self._clock = clock
         self._keys = KeySpace(prefix, cfg.max_request_bytes)
@@ -213,6 +214,7 @@ class EtcdStore:
         self._watcher = Watcher(self._conn, self._keys, self._cache, cfg, self.metrics,
                                 name=f"cachedstore-watch-{self._id}", clock=self._clock)
         self._opener.watch = self._watcher.add
+        self._cache.on_waiter = self._watcher.hurry
         self._opener.fall_back = self._watcher.rescope
         self._watcher.start(revision)
         if not self._clock.wait(self._watcher.ready,

@@ -427,6 +427,9 @@ class Watcher:
         self._stream_contact = clock.monotonic()
         self._progress_answered = False
         call = endpoint.watch_stream.Watch(request_stream(), metadata=self._conn.metadata())
+        pace = getattr(call, "pace", None)  # the wire transport's; grpcio reads regardless
+        if pace is not None and self._config.watch_pacing > 0:
+            pace(self._config.watch_pacing, self._cache.awaited, clock.monotonic)
         self._call = call
         if self._stopping.is_set() or self._rescope:
             call.cancel()
@@ -474,6 +477,13 @@ class Watcher:
             if join is not None:
                 join(self._config.progress_interval + 1.0)
             self._call = None
+
+    def hurry(self) -> None:
+        """A thread began waiting for what the watch delivers: end a pacing wait of the
+        stream now (``StoreConfig.watch_pacing``). Any thread; does not block."""
+        hurry = getattr(self._call, "hurry", None)
+        if hurry is not None:
+            hurry()
 
     def _refresh_quiet_scopes(self) -> None:
         """Read afresh the scopes still replaying, a progress interval after the stream

@@ -179,3 +179,27 @@ def test_a_waiter_stays_registered_after_a_wake():
     assert waiter.event.is_set() and waiter.take() == b"2"
     cache.remove_waiter("k", waiter)
     assert cache.n_waiters == 0
+
+
+def test_awaited_while_a_waiter_is_registered_or_the_cache_is_not_serving():
+    """What the watch's pacing asks (StoreConfig.watch_pacing): someone waits for the next
+    events. on_waiter is called for every waiter added, after the lock is released."""
+    cache, _ = make()
+    cache.apply_events([("k", b"v", 3)], 3)
+    assert cache.floor == 0 and not cache.awaited()
+    added: list[bool] = []
+    cache.on_waiter = lambda: added.append(cache._lock.locked())
+    waiter = ThreadWaiter()
+    cache.add_waiter("k", waiter)
+    assert cache.awaited() and added == [False]
+    cache.remove_waiter("k", waiter)
+    assert not cache.awaited()
+    cache.add_prefix_waiter("q/", waiter)
+    assert cache.awaited() and added == [False, False]
+    cache.remove_prefix_waiter("q/", waiter)
+    cache.watch_down()  # not serving: reads go to etcd until the watch catches up
+    assert cache.awaited()
+    cache.watch_up(10)  # replaying up to 10
+    assert cache.floor == 10 and cache.awaited()
+    cache.apply_events([("k", b"w", 10)], 10)
+    assert cache.floor == 0 and not cache.awaited()

@@ -351,3 +351,129 @@ def test_the_store_over_tls_and_auth(etcd_factory: Callable[..., LocalEtcd], tmp
 def test_an_unknown_transport_is_refused() -> None:
     with pytest.raises(InvalidInputError, match="watch_transport"):
         EtcdStore(endpoints=["127.0.0.1:1"], watch_transport="quic")
+
+
+# -- pacing (StoreConfig.watch_pacing) --------------------------------------------------------
+_HOUR = 3600.0  # a pacing interval no test outlives: only hurry() or cancel() ends a wait
+
+
+def _unread_bytes(call: Any) -> int:
+    """Bytes etcd sent that sit in the call's socket, not yet read (SIOCINQ)."""
+    import fcntl
+    import struct
+    import termios
+
+    raw = fcntl.ioctl(call._sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    return int(struct.unpack("i", raw)[0])
+
+
+def _pacing_reader(call: Any) -> tuple[list[Any], list[BaseException], threading.Thread]:
+    got: list[Any] = []
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            for response in call:
+                got.append(response)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            errors.append(exc)
+
+    reader = threading.Thread(target=read, name="test-wire-reader", daemon=True)
+    reader.start()
+    return got, errors, reader
+
+
+def test_a_pacing_reader_leaves_a_busy_spell_in_the_socket_until_hurried(
+        etcd: LocalEtcd, prefix: str) -> None:
+    """Within its interval a pacing reader reads nothing, though etcd's event sits in its
+    socket; hurry() (urgent now) makes it read at once."""
+    client = raw_client(etcd)
+    done = threading.Event()
+    urgent = [False]
+    call = _stub(etcd.endpoint).Watch(_requests(_create(prefix), then=done))
+    call.pace(_HOUR, lambda: urgent[0])
+    try:
+        assert next(call).created  # the first wait is not paced: the interval starts here
+        got, errors, reader = _pacing_reader(call)
+        eventually(lambda: call._pacing_now, what="the reader pacing")
+        client.put(prefix + "k", "v")
+        eventually(lambda: _unread_bytes(call) > 0, what="the event in the socket")
+        assert got == [] and call._pacing_now and not errors
+        urgent[0] = True
+        call.hurry()
+        eventually(lambda: got, what="the event read after hurry()")
+        assert [(e.kv.key, e.kv.value) for e in got[0].events] == [
+            ((prefix + "k").encode(), b"v")]
+        client.put(prefix + "k", "w")  # urgent: no pacing, read as it comes
+        eventually(lambda: len(got) == 2, what="the next event read unpaced")
+    finally:
+        done.set()
+        call.cancel()
+        client.close()
+    reader.join(10)
+    assert not reader.is_alive()
+    assert [type(e) for e in errors] == [WireError]
+
+
+def test_cancel_ends_a_pacing_wait(etcd: LocalEtcd, prefix: str) -> None:
+    done = threading.Event()
+    call = _stub(etcd.endpoint).Watch(_requests(_create(prefix), then=done))
+    call.pace(_HOUR, lambda: False)
+    assert next(call).created
+    got, errors, reader = _pacing_reader(call)
+    eventually(lambda: call._pacing_now, what="the reader pacing")
+    call.cancel()
+    reader.join(10)
+    done.set()
+    assert not reader.is_alive() and got == []
+    assert len(errors) == 1 and errors[0].code() is grpc.StatusCode.CANCELLED  # type: ignore[attr-defined]
+    eventually(lambda: not _threads(), what="the sender thread ended")
+
+
+def test_a_blocked_get_ends_the_stores_pacing(etcd: LocalEtcd, prefix: str) -> None:
+    """A store pacing its watch (here for an hour) stops as soon as a thread blocks on it:
+    the put it waits for is applied as it comes, not an interval later. (No progress
+    request ends the pacing meanwhile: the first is two minutes away.)"""
+    client = raw_client(etcd)
+    store = EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, watch_pacing=_HOUR,
+                      progress_interval=120, stall_timeout=300)
+    try:
+        call = store._watcher._call  # paces from the answer to its create on
+        eventually(lambda: call._pacing_now, what="the watch pacing")
+        client.put(prefix + "unread", "2")
+        eventually(lambda: _unread_bytes(call) > 0, what="the event in the socket")
+        assert store._cache.peek("unread") is None  # paced: not applied yet
+        result: list[bytes] = []
+        getter = threading.Thread(target=lambda: result.append(store.get("k", timeout=60)),
+                                  daemon=True)
+        getter.start()
+        eventually(lambda: store._cache.n_waiters == 1, what="the get blocked on the watch")
+        client.put(prefix + "k", "v")
+        getter.join(30)
+        assert result == [b"v"], "the blocked get was not woken by its put"
+        assert store._cache.peek("unread") is not None
+    finally:
+        store.close()
+        client.close()
+
+
+def test_a_touched_scope_opened_while_pacing_is_served_at_once(etcd: LocalEtcd,
+                                                                prefix: str) -> None:
+    """A new scope's create is answered on a pacing stream; the store, not serving until
+    it is read (every read going to etcd meanwhile), reads the answer as it comes: the
+    create's own sending ends the pacing, and the cache not serving keeps it off until
+    the answer is read (``test_cache``'s ``awaited`` test)."""
+    client = raw_client(etcd)
+    store = EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, watch_scope="touched",
+                      watch_pacing=_HOUR, progress_interval=120, stall_timeout=300)
+    try:
+        client.put(prefix + "a", "1")
+        client.put(prefix + "b", "2")
+        assert store.get("a") == b"1"  # opens a's scope
+        eventually(lambda: store._cache.floor == 0, what="a's scope served")
+        eventually(lambda: store._watcher._call._pacing_now, what="the watch pacing")
+        assert store.get("b") == b"2"  # opens b's scope: not served until its create is read
+        eventually(lambda: store._cache.floor == 0, timeout=30, what="b's scope served")
+    finally:
+        store.close()
+        client.close()

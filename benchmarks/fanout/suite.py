@@ -83,7 +83,8 @@ def run_extras(etcd_endpoint: str, metrics_url: str, *, log: Any = print) -> dic
     sharing = measure_host_sharing(etcd_endpoint, metrics_url)
     log(f"[fanout] host sharing: direct {sharing['direct']['watch_event_msgs']} vs proxy "
         f"{sharing['proxy']['watch_event_msgs']} watch msgs")
-    cpu = compare_transports(etcd_endpoint, metrics_url)
+    cpu = compare_transports(etcd_endpoint)
     log("[fanout] watch CPU per event: " + ", ".join(
-        f"{t} {r['cpu_per_event_s'] * 1e6:.0f} µs" for t, r in cpu.items()))
+        f"{t} {r['cpu_per_event_s'] * 1e6:.0f} µs (lag p50 "
+        f"{r.get('lag_p50_s', float('nan')) * 1e3:.2f} ms)" for t, r in cpu.items()))
     return {"host_sharing": sharing, "watch_cpu_by_transport": cpu}
