@@ -135,8 +135,9 @@ class CoherentCache:
         self._waiters: dict[str, list[Waiter]] = {}
         self._prefix_waiters: dict[str, list[Waiter]] = {}
         self._n_waiters = 0
-        #: Called (outside the lock, on the registering thread) when a waiter is added: the
-        #: store has the watch stop pacing (``StoreConfig.watch_pacing``).
+        self._n_blocked = 0  # waiters a thread or coroutine is blocked on (not knowledge)
+        #: Called (outside the lock, on the registering thread) when a blocking waiter is
+        #: added: the store has the watch stop pacing (``StoreConfig.watch_pacing``).
         self.on_waiter: Callable[[], None] | None = None
         self.closed = False
 
@@ -561,28 +562,34 @@ class CoherentCache:
 
     # -- waiters ---------------------------------------------------------------------------------
     def add_waiter(self, name: str, waiter: Waiter) -> None:
-        self._register(self._waiters, name, waiter)
+        self._register(self._waiters, name, waiter, True)
 
     def remove_waiter(self, name: str, waiter: Waiter) -> None:
-        self._unregister(self._waiters, name, waiter)
+        self._unregister(self._waiters, name, waiter, True)
 
-    def add_prefix_waiter(self, prefix: str, waiter: Waiter) -> None:
-        """Wake ``waiter`` on every put of a name starting with ``prefix`` (queues)."""
-        self._register(self._prefix_waiters, prefix, waiter)
+    def add_prefix_waiter(self, prefix: str, waiter: Waiter, *, blocking: bool = True) -> None:
+        """Wake ``waiter`` on every put of a name starting with ``prefix`` (queues).
+        ``blocking=False``: nobody waits on it (it marks knowledge that a put ends), so it
+        does not make the cache :meth:`awaited`; remove it with the same flag."""
+        self._register(self._prefix_waiters, prefix, waiter, blocking)
 
-    def remove_prefix_waiter(self, prefix: str, waiter: Waiter) -> None:
-        self._unregister(self._prefix_waiters, prefix, waiter)
+    def remove_prefix_waiter(self, prefix: str, waiter: Waiter, *,
+                             blocking: bool = True) -> None:
+        self._unregister(self._prefix_waiters, prefix, waiter, blocking)
 
-    def _register(self, table: dict[str, list[Waiter]], key: str, waiter: Waiter) -> None:
+    def _register(self, table: dict[str, list[Waiter]], key: str, waiter: Waiter,
+                  blocking: bool) -> None:
         with self._lock:
             table.setdefault(key, []).append(waiter)
             self._n_waiters += 1
+            self._n_blocked += blocking
         self._metrics.waiters.inc()
         hook = self.on_waiter
-        if hook is not None:
+        if blocking and hook is not None:
             hook()
 
-    def _unregister(self, table: dict[str, list[Waiter]], key: str, waiter: Waiter) -> None:
+    def _unregister(self, table: dict[str, list[Waiter]], key: str, waiter: Waiter,
+                    blocking: bool) -> None:
         with self._lock:
             waiters = table.get(key)
             if waiters is None:
@@ -590,6 +597,7 @@ class CoherentCache:
             with contextlib.suppress(ValueError):
                 waiters.remove(waiter)
                 self._n_waiters -= 1
+                self._n_blocked -= blocking
                 self._metrics.waiters.dec()
             if not waiters:
                 del table[key]
@@ -626,10 +634,12 @@ class CoherentCache:
         return self._n_waiters
 
     def awaited(self) -> bool:
-        """Whether someone is waiting for what the watch delivers next: a waiter is
-        registered, or the cache is not serving (a scope awaits its create or replays,
-        and reads go to etcd meanwhile). Lock-free; may be stale by one update."""
-        return self._n_waiters > 0 or self.floor != 0
+        """Whether someone is waiting for what the watch delivers next: a blocking waiter
+        is registered, or the cache is not serving (a scope awaits its create or replays,
+        and reads go to etcd meanwhile). Lock-free: a caller that must not miss a waiter
+        registered concurrently orders itself against ``on_waiter`` (the wire transport
+        asks under the lock its ``hurry`` takes)."""
+        return self._n_blocked > 0 or self.floor != 0
 
     @property
     def n_marks(self) -> int:

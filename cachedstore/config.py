@@ -139,14 +139,16 @@ class StoreConfig:
     #: (one connection; honours grpcio's proxy environment variables). Both work with
     #: TLS, auth and etcd's grpc-proxy; unary calls always use grpcio.
     watch_transport: str = "wire"
-    #: With ``watch_transport="wire"``: while no thread waits on the store (a blocking
-    #: ``get``/``wait``, a queue, a barrier) and its cache is serving, the watch thread
-    #: begins waiting for its stream at most once per this many seconds, so that events
-    #: arriving faster are applied in batches (interrupt moderation: each wake-up of the
-    #: thread costs tens of µs of CPU however little it reads; ``benchmarks/FANOUT.md``,
-    #: "CPU per watch event"). An event after a quiet spell is applied at once; one in a
-    #: busy spell is visible to non-blocking reads up to this much later. Blocked readers
-    #: are never delayed. 0 disables it.
+    #: With ``watch_transport="wire"``: while no thread or coroutine is blocked on the
+    #: store (in ``get``/``mget``/``wait`` with a timeout, a queue ``pop``, a barrier) and
+    #: its cache is serving, the watch thread begins waiting for its stream at most once
+    #: per this many seconds, so that events arriving faster are applied in batches
+    #: (interrupt moderation: each wake-up of the thread costs tens of µs of CPU however
+    #: little it reads; ``benchmarks/FANOUT.md``, "CPU per watch event"). An event after a
+    #: quiet spell is applied at once, and a backlog is read at full speed; in a busy
+    #: spell, non-blocking reads (``timeout=0``, torch's ``check``) may see an event up to
+    #: this much later. Blocked readers are never delayed. 0 disables it; it must stay
+    #: below ``stall_timeout``.
     watch_pacing: float = 0.002
     #: One ``get``/``aget`` call in this many is timed into
     #: ``cachedstore_request_duration_seconds`` (hits and misses alike, so its quantiles are
@@ -164,6 +166,10 @@ class StoreConfig:
                 raise InvalidInputError(
                     f"{name} must be one of {', '.join(map(repr, allowed))}, "
                     f"got {getattr(self, name)!r}")
+        if not 0 <= self.watch_pacing < self.stall_timeout:
+            raise InvalidInputError(
+                f"watch_pacing must be at least 0 and below stall_timeout "
+                f"({self.stall_timeout:g} s), got {self.watch_pacing!r}")
 
     @property
     def snapshot_limit(self) -> int:

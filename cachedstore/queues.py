@@ -316,7 +316,7 @@ def is_nonempty(store: EtcdStore, name: str | bytes,
         opened = store._opener.ensure_directory(RESERVED, store._conn.deadline)
     fresh = {RESERVED: ThreadWaiter(), prefix: ThreadWaiter()}
     for p, waiter in fresh.items():  # before the count: no put slips by unseen
-        store._cache.add_prefix_waiter(p, waiter)
+        store._cache.add_prefix_waiter(p, waiter, blocking=False)  # knowledge, not a wait
     kept: set[str] = set()
     try:
         if opened is not None and opened[2] == 0 and opened[0].applied == opened[1] \
@@ -353,12 +353,12 @@ def is_nonempty(store: EtcdStore, name: str | bytes,
                 known.waiters[p] = fresh[p]
                 kept.add(p)
         for p, old in replaced:
-            store._cache.remove_prefix_waiter(p, old)
+            store._cache.remove_prefix_waiter(p, old, blocking=False)
         return counts[prefix] > 0
     finally:
         for p, waiter in fresh.items():
             if p not in kept:
-                store._cache.remove_prefix_waiter(p, waiter)
+                store._cache.remove_prefix_waiter(p, waiter, blocking=False)
 
 
 def _prefix_range(store: EtcdStore, canonical_prefix: str) -> tuple[bytes, bytes]:

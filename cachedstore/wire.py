@@ -39,10 +39,13 @@ wake-up socket. :meth:`WireCall.cancel` may be called from any thread, any numbe
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import select
 import socket
 import ssl
+import sys
+import termios
 import threading
 import time
 from collections import deque
@@ -63,6 +66,7 @@ _DATA, _HEADERS, _RST_STREAM, _SETTINGS, _PING, _GOAWAY, _WINDOW_UPDATE, _CONTIN
 _END_STREAM = _ACK = 0x1
 _END_HEADERS, _PADDED, _PRIORITY = 0x4, 0x8, 0x20
 _STREAM = 1
+_LONGEST_PACE = 86_400.0  # epoll refuses timeouts past ~24 days (and infinity)
 #: What etcd may send ahead of our reading, per stream and for the connection (bytes).
 WINDOW = 1 << 24
 _DEFAULT_WINDOW = 65_535
@@ -263,9 +267,10 @@ class WireCall:
 
     def hurry(self) -> None:
         """End a pacing wait now (``urgent()`` has just become true). Thread-safe, does not
-        block; costs nothing unless the reader is pacing."""
-        if self._pacing_now:
-            self._wake()
+        block; a wake-up of the reader only if it is pacing."""
+        with self._lock:
+            if self._pacing_now:
+                self._wake_locked()
 
     def join(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the sender thread to end, which it does once
@@ -352,32 +357,45 @@ class WireCall:
     def _pace(self) -> None:
         """Before a wait for the socket: if the last one delivered responses and began less
         than ``pacing`` seconds ago, wait (on the wake-up socket only) for the rest of that
-        time, unless urgent; see :meth:`pace`."""
+        time, unless urgent or etcd's bytes are already waiting (a backlog is read at
+        full speed); see :meth:`pace`."""
         now = self._monotonic()
         due = self._last_wait + self._pacing
-        if self._delivered and now < due:
-            # Flagged before urgent() is asked: a hurry() after that answer sees the flag.
-            self._pacing_now = True
+        if self._delivered and now < due and not self._backlog():
+            with self._lock:  # ordered against hurry(): one of the two sees the other
+                self._pacing_now = not self._urgent()
             try:
-                if not self._urgent():
+                if self._pacing_now:
                     if self._pace_poller is None:
                         self._pace_poller = select.epoll()
                         self._pace_poller.register(self._wake_fd, select.EPOLLIN)
-                    self._pace_poller.poll(due - now)
+                    self._pace_poller.poll(min(due - now, _LONGEST_PACE))
                     now = self._monotonic()
             finally:
                 self._pacing_now = False
         self._delivered = False
         self._last_wait = now
 
+    def _backlog(self) -> bool:
+        """Whether bytes from etcd are waiting to be read (decrypted, or in the kernel)."""
+        sock = self._sock
+        assert sock is not None
+        if self._tls is not None and sock.pending():  # type: ignore[attr-defined]
+            return True
+        unread = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+        return int.from_bytes(unread, sys.byteorder) > 0
+
     def _wake(self) -> None:
-        with self._lock:  # never after _close: the fd number may belong to another socket
-            if self._closed:
-                return
-            try:
-                self._wake_w.send(b"\0")
-            except OSError:  # its buffer is full: a wake-up is pending anyway
-                pass
+        with self._lock:
+            self._wake_locked()
+
+    def _wake_locked(self) -> None:
+        if self._closed:  # never after _close: the fd number may belong to another socket
+            return
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:  # its buffer is full: a wake-up is pending anyway
+            pass
 
     def _fail(self, code: grpc.StatusCode, details: str) -> None:
         """End the call with an error (CANCELLED if it was cancelled) and raise it."""

@@ -197,6 +197,13 @@ def test_awaited_while_a_waiter_is_registered_or_the_cache_is_not_serving():
     cache.add_prefix_waiter("q/", waiter)
     assert cache.awaited() and added == [False, False]
     cache.remove_prefix_waiter("q/", waiter)
+    knowledge = ThreadWaiter()  # "q/ is empty", ended by a put: nobody blocks on it
+    cache.add_prefix_waiter("q/", knowledge, blocking=False)
+    assert not cache.awaited() and added == [False, False] and cache.n_waiters == 1
+    cache.apply_events([("q/1", b"item", 4)], 4)
+    assert knowledge.event.is_set()  # still woken by a put
+    cache.remove_prefix_waiter("q/", knowledge, blocking=False)
+    assert cache.n_waiters == 0 and not cache.awaited()
     cache.watch_down()  # not serving: reads go to etcd until the watch catches up
     assert cache.awaited()
     cache.watch_up(10)  # replaying up to 10

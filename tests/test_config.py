@@ -52,6 +52,16 @@ def test_seconds_and_overrides():
         StoreConfig().with_overrides(cache_size=0)
 
 
+@pytest.mark.parametrize("pacing", [float("inf"), 6.0, -0.001, float("nan"), "2ms"])
+def test_watch_pacing_is_refused_unless_below_the_stall_timeout(pacing: object) -> None:
+    """Pacing as long as the stall timeout would have a paced stream declared stalled (and
+    epoll refuses an infinite wait): refused with a clear, typed error."""
+    with pytest.raises((InvalidInputError, InvalidTypeError), match="watch_pacing"):
+        StoreConfig().with_overrides(watch_pacing=pacing)
+    assert StoreConfig().with_overrides(watch_pacing=0).watch_pacing == 0.0
+    assert StoreConfig(stall_timeout=300).with_overrides(watch_pacing=200).watch_pacing == 200
+
+
 def test_keyspace_mapping():
     keys = KeySpace("/job/", 1_572_864)
     assert keys.key(keys.canonical("a")) == b"/job/a"

@@ -233,6 +233,9 @@ def test_emptiness_is_remembered_until_an_item_is_put(store, etcd, prefix):
     txns = rpc_count(store.registry, "txn")
     assert not queues.is_nonempty(store, "q")
     assert rpc_count(store.registry, "txn") - txns == 1  # both counts in one Txn
+    # The knowledge is a waiter nobody blocks on: the watch may go on pacing (torch's
+    # check/wait of a missing key lands here, and that knowledge stays for good).
+    assert store._cache.n_waiters == 2 and not store._cache.awaited()
     assert not queues.is_nonempty(store, "q") and not queues.is_nonempty(store, "other")
     assert rpc_count(store.registry, "txn") - txns == 1  # remembered: no request
     other = _another(etcd, prefix)

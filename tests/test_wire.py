@@ -355,6 +355,7 @@ def test_an_unknown_transport_is_refused() -> None:
 
 # -- pacing (StoreConfig.watch_pacing) --------------------------------------------------------
 _HOUR = 3600.0  # a pacing interval no test outlives: only hurry() or cancel() ends a wait
+_LONG = 200.0  # a store's, below its stall_timeout of 300 s (no progress request before 120)
 
 
 def _unread_bytes(call: Any) -> int:
@@ -431,11 +432,11 @@ def test_cancel_ends_a_pacing_wait(etcd: LocalEtcd, prefix: str) -> None:
 
 
 def test_a_blocked_get_ends_the_stores_pacing(etcd: LocalEtcd, prefix: str) -> None:
-    """A store pacing its watch (here for an hour) stops as soon as a thread blocks on it:
+    """A store pacing its watch (here for 200 s) stops as soon as a thread blocks on it:
     the put it waits for is applied as it comes, not an interval later. (No progress
     request ends the pacing meanwhile: the first is two minutes away.)"""
     client = raw_client(etcd)
-    store = EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, watch_pacing=_HOUR,
+    store = EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, watch_pacing=_LONG,
                       progress_interval=120, stall_timeout=300)
     try:
         call = store._watcher._call  # paces from the answer to its create on
@@ -457,23 +458,72 @@ def test_a_blocked_get_ends_the_stores_pacing(etcd: LocalEtcd, prefix: str) -> N
         client.close()
 
 
-def test_a_touched_scope_opened_while_pacing_is_served_at_once(etcd: LocalEtcd,
-                                                                prefix: str) -> None:
-    """A new scope's create is answered on a pacing stream; the store, not serving until
-    it is read (every read going to etcd meanwhile), reads the answer as it comes: the
-    create's own sending ends the pacing, and the cache not serving keeps it off until
-    the answer is read (``test_cache``'s ``awaited`` test)."""
+def test_a_scope_opened_while_pacing_has_its_create_answered(etcd: LocalEtcd,
+                                                              prefix: str) -> None:
+    """Opening a scope on a pacing stream: sending its create ends the pacing wait, and
+    the answer is read as it comes (no progress request ends the pacing meanwhile)."""
     client = raw_client(etcd)
     store = EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, watch_scope="touched",
-                      watch_pacing=_HOUR, progress_interval=120, stall_timeout=300)
+                      watch_pacing=_LONG, progress_interval=120, stall_timeout=300)
     try:
         client.put(prefix + "a", "1")
         client.put(prefix + "b", "2")
-        assert store.get("a") == b"1"  # opens a's scope
-        eventually(lambda: store._cache.floor == 0, what="a's scope served")
-        eventually(lambda: store._watcher._call._pacing_now, what="the watch pacing")
-        assert store.get("b") == b"2"  # opens b's scope: not served until its create is read
-        eventually(lambda: store._cache.floor == 0, timeout=30, what="b's scope served")
+        assert store.get("a") == b"1"  # opens a's scope; its create is answered
+        stream = store._watcher._stream
+        eventually(lambda: len(stream.by_id) == 2, what="a's create answered")  # + anchor
+        call = store._watcher._call
+        eventually(lambda: call._pacing_now, what="the watch pacing")
+        assert store.get("b") == b"2"  # opens b's scope (served from its snapshot)
+        eventually(lambda: len(stream.by_id) == 3 and not stream.awaiting,
+                   what="b's create answered while pacing")
+    finally:
+        store.close()
+        client.close()
+
+
+def test_a_backlog_is_read_at_full_speed(etcd: LocalEtcd, prefix: str) -> None:
+    """A pacing reader that finds etcd's bytes already waiting after a read (more than one
+    read's worth arrived) reads on without pacing; it paces once the socket is drained."""
+    client = raw_client(etcd)
+    done = threading.Event()
+    call = _stub(etcd.endpoint).Watch(_requests(_create(prefix), then=done))
+    call.pace(_HOUR, lambda: False)
+    try:
+        assert next(call).created
+        got, errors, reader = _pacing_reader(call)
+        eventually(lambda: call._pacing_now, what="the reader pacing")
+        n = 120  # 120 KiB of values: two reads of 64 KiB at least
+        for i in range(n):
+            client.put(f"{prefix}k{i}", "x" * 1024)
+        eventually(lambda: _unread_bytes(call) > 1 << 16, what="a backlog in the socket")
+        call.hurry()  # ends this pacing wait only (urgent() stays false)
+        eventually(lambda: sum(len(r.events) for r in got) == n, timeout=30,
+                   what="the whole backlog read")
+        eventually(lambda: call._pacing_now, what="pacing again once drained")
+        assert not errors
+    finally:
+        done.set()
+        call.cancel()
+        client.close()
+
+
+def test_a_replay_after_a_reconnect_is_not_paced(etcd: LocalEtcd, prefix: str) -> None:
+    """The cache serves nothing until a restarted stream has replayed what it missed, and
+    etcd sends a replay of over 1,000 revisions in batches 100 ms apart (its unsynced
+    watchers' loop): none of them waits out a pacing interval (here 200 s)."""
+    client = raw_client(etcd)
+    store = EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, watch_pacing=_LONG,
+                      progress_interval=120, stall_timeout=300)
+    try:
+        call = store._watcher._call
+        eventually(lambda: call._pacing_now, what="the watch pacing")
+        for i in range(2_500):  # 2,500 revisions, left unread in the paced socket
+            client.put(f"{prefix}k{i}", "v")
+        call.cancel()  # they are lost with the connection: the new stream replays them
+        eventually(lambda: store._watcher._call not in (None, call), what="a new stream")
+        eventually(lambda: store._cache.floor == 0 and store._cache.peek("k2499"),
+                   timeout=60, what="the replay applied")
+        assert store._watcher.restarts == 1
     finally:
         store.close()
         client.close()
