@@ -149,7 +149,7 @@ class StoreConfig:
     #: spell, non-blocking reads (``timeout=0``, torch's ``check``) may see an event up to
     #: this much later. Blocked readers are never delayed. 0 disables it; it must stay
     #: below ``stall_timeout``.
-    watch_pacing: float = 0.002
+    watch_pacing: float = 0.005
     #: One ``get``/``aget`` call in this many is timed into
     #: ``cachedstore_request_duration_seconds`` (hits and misses alike, so its quantiles are
     #: unbiased); 1 times every call at about 0.7 µs more per cache hit. Counts are exact.
