@@ -241,6 +241,9 @@ _TABLE: tuple[tuple[Failure, frozenset[Any] | None, tuple[str, ...] | None], ...
         "no route to host", "name resolution")),
     (Failure.NO_LEADER, None, ("no leader", "leader changed")),
     (Failure.TRANSPORT, _TRANSPORT_CODES, None),
+    # etcd's own end of the call's deadline (a read waiting for its read index when the
+    # grpc-timeout ran out): the same as the client's DEADLINE_EXCEEDED, sent as UNKNOWN.
+    (Failure.TRANSPORT, frozenset({grpc.StatusCode.UNKNOWN}), ("context deadline exceeded",)),
     (Failure.PERMISSION, frozenset({grpc.StatusCode.PERMISSION_DENIED}), None),
     (Failure.PERMISSION, None, ("permission denied",)),
     (Failure.AUTH_FAILED, None, ("authentication failed", "invalid user")),

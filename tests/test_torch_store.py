@@ -404,3 +404,39 @@ def test_pickles_never_carry_the_password(etcd_factory, prefix, tmp_path, monkey
         copy = pickle.loads(data)
         assert copy.get("k") == b"v"
         copy.close()
+
+
+def test_a_wait_whose_probe_etcd_timed_out_still_waits(tstore, etcd, prefix, monkeypatch):
+    """Under load etcd can end a read's deadline on its side (UNKNOWN "context deadline
+    exceeded": the 250 ms probe of a torch wait, one run of the W=256 fan-out). That is
+    a timeout like any other: the wait goes on and returns when the key is set, instead
+    of failing the rank (and every rank waiting for its keys)."""
+    import grpc
+
+    from cachedstore import connection as connection_module
+    from tests.util import FakeRpcError
+
+    real_rpc = connection_module._rpc
+    waiting_thread = threading.current_thread()
+    fired = threading.Event()
+
+    def rpc(ep, method):
+        call = real_rpc(ep, method)
+        if method not in ("range", "txn") or fired.is_set() \
+                or threading.current_thread() is not waiting_thread:
+            return call
+
+        def timed_out_at_etcd(*args, **kwargs):
+            fired.set()
+            raise FakeRpcError(grpc.StatusCode.UNKNOWN, "context deadline exceeded")
+
+        return timed_out_at_etcd
+
+    monkeypatch.setattr(connection_module, "_rpc", rpc)
+    other = _another(etcd, prefix)
+    try:
+        threading.Timer(0.5, lambda: other.set("late", b"v")).start()
+        tstore.wait(["late"], timedelta(seconds=30))
+        assert fired.is_set() and tstore.get("late") == b"v"
+    finally:
+        other.close()
