@@ -290,7 +290,8 @@ def markdown(worlds: dict[int, dict[str, Any]], extras: dict[str, Any],
                  ", ".join(f"{x * 1e6:.0f}" for x in r.get("rounds_cpu_per_event_s", [])),
                  lag(r, "lag_p50_s"), lag(r, "lag_p99_s"),
                  "✅" if r["cpu_per_event_s"] <= 60e-6 and r["caught_up"] else "❌"]
-                for t, r in by_transport.items()]
+                for t, r in sorted(by_transport.items(), key=lambda item: (
+                    item[1].get("watch_transport") != "grpc", item[1].get("watch_pacing", 0)))]
         lines += [_table(["configuration", "µs CPU per event", "watch thread",
                           "other threads", "every round", "lag p50 ms", "lag p99 ms",
                           "≤ 60 µs"], rows), ""]
