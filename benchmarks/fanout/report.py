@@ -279,7 +279,7 @@ def markdown(worlds: dict[int, dict[str, Any]], extras: dict[str, Any],
                   "timing every event from just before its put to the store's cache "
                   "having applied it (what a non-blocking read can see; a blocked read is "
                   "never paced). Measured "
-                  f"{extras.get('date_watch_cpu', extras.get('date', '?'))}.", ""]
+                  f"{extras.get('date', '?')}.", ""]
 
         def lag(r: dict[str, Any], key: str) -> str:
             return f"{r[key] * 1e3:.2f}" if key in r else "–"

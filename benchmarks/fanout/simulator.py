@@ -242,8 +242,9 @@ def run_pattern(pattern: str, world: int, etcd_endpoint: str | None = None,
 
 def _settled(workers: list[Any], measure: Any) -> Any:
     """Wait until every store watching its prefix applied etcd's current revision, and
-    etcd's revision and event messages stand still (a store watching what it touched has no revision to
-    wait for: a scope whose keys did not change never reaches it); sample etcd again."""
+    etcd's revision and event messages stand still (a store watching what it touched has
+    no revision to wait for: a scope whose keys did not change never reaches it); sample
+    etcd again."""
     revision = measure().revision
     _call_all(workers, "settle", revision, time.monotonic() + SETTLE_TIMEOUT,
               timeout=SETTLE_TIMEOUT + 30)

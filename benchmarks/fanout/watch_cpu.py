@@ -4,10 +4,10 @@ Another process puts ``events`` keys one by one (one revision, one watch message
 one ``EtcdStore`` in this process applies them. CPU is this process's user + system time
 (``getrusage``) from the writer's first put until the store's watch applied the writer's
 last revision, divided by the events; the store's watch thread is split out from
-``/proc/self/task``. The writer is started and
-connected before the window opens and reports its last revision itself, so the window
-holds the store's work only (no process start, no ``/metrics`` scrape). Blocks for the
-measurement (bounded by ``timeout``); the writer process is killed if it overruns.
+``/proc/self/task``. The writer is started and connected before the window opens and
+reports its last revision itself, so the window holds the store's work only (no process
+start, no ``/metrics`` scrape). Blocks for the measurement (bounded by ``timeout``); the
+writer process is killed if it overruns.
 
 With ``lag=True`` the round also times, per event, the span from just before the writer's
 put to the store's cache having applied it: what a non-blocking reader can see. That needs
