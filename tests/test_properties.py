@@ -69,7 +69,7 @@ def _expected(name: str | bytes, value: str | bytes) -> tuple[bytes, bytes] | ty
         key, data = _encode(name), _encode(value)
     except UnicodeEncodeError:
         return InvalidInputError
-    if not key:
+    if not key or key.startswith((b"\xff\xff", b"\x00queue/")):  # empty, or reserved
         return InvalidInputError
     return key, data
 
@@ -144,6 +144,8 @@ def _wait_watch(store: EtcdStore, revision: int) -> None:
 @example(name="\udbff", desired="v")
 @example(name="k2", desired="\ud800")
 @example(name=b"\x80", desired=b"")
+@example(name=b"\xff\xff", desired=b"")  # reserved for counters: refused
+@example(name="\x00queue/x", desired="v")  # reserved for queue items: refused
 def test_compare_set_and_delete_round_trip_or_are_refused(
         space: dict[str, Any], name: str | bytes, desired: str | bytes) -> None:
     writer = space["writer"]
