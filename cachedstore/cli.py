@@ -432,11 +432,11 @@ def cmd_etcd(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             return EXIT_OK
         data = args.data_dir or "a temporary directory, removed on exit"
-        print(f"etcd serving on {etcd.client_url}  (data: {data}; metrics: "
-              f"{etcd.metrics_url}/metrics; log: {etcd.log_path})", flush=True)
-        print(f"try: CACHEDSTORE_ENDPOINTS={etcd.endpoint} cachedstore set hello world; "
-              f"Ctrl-C stops etcd", file=sys.stderr, flush=True)
-        try:
+        try:  # from here on, any interrupt is the way to stop (also while printing)
+            print(f"etcd serving on {etcd.client_url}  (data: {data}; metrics: "
+                  f"{etcd.metrics_url}/metrics; log: {etcd.log_path})", flush=True)
+            print(f"try: CACHEDSTORE_ENDPOINTS={etcd.endpoint} cachedstore set hello world; "
+                  f"Ctrl-C stops etcd", file=sys.stderr, flush=True)
             while etcd.running:
                 time.sleep(0.2)
         except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP
