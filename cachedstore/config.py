@@ -89,13 +89,26 @@ class StoreConfig:
     #: Budget of the constructor's first contact with etcd (authentication, current
     #: revision, watch creation). Unreachable → ``EtcdConnectionError`` within this.
     connect_timeout: float = 10.0
-    #: How often the watch asks etcd for a progress response when the stream is quiet.
+    #: How long a quiet watch stream waits before it asks etcd for a progress response,
+    #: when it does not PING (see ``ping_interval``); also how often a scope replaying
+    #: after a reconnect asks (its answer re-reads a scope whose range did not change).
     progress_interval: float = 2.0
-    #: A watch stream that has delivered nothing (no event, no progress response) for this
-    #: long is declared stalled: the cache stops being served and the stream is restarted.
-    #: A silent partition is therefore detected within ``stall_timeout + progress_interval``
-    #: (8 s by default).
-    stall_timeout: float = 6.0
+    #: With ``watch_transport="wire"``: a quiet watch stream sends an HTTP/2 PING once it
+    #: heard nothing for this long (2 % more), instead of progress requests. etcd
+    #: acknowledges a PING in its gRPC transport: a quiet store costs it no request at
+    #: all. Used when ``stall_timeout`` is at least 1.5 times as long (the answer has half
+    #: an interval), once etcd answered the stream's first check, a progress request (so
+    #: never behind etcd's grpc-proxy, which answers none and would answer PINGs). It
+    #: must not be below etcd's ``--grpc-keepalive-min-time`` (5 s by default): etcd closes
+    #: a connection that PINGs more often (``too_many_pings``), and the store then uses
+    #: progress requests for good (logged). 0 disables PINGs.
+    ping_interval: float = 5.0
+    #: A watch stream that has heard nothing from etcd (no event, no progress response, no
+    #: PING acknowledgement) for this long is declared stalled: the cache stops being
+    #: served and the stream is restarted. That bounds silent-partition detection (8 s by
+    #: default): ``stall_timeout``, plus ``progress_interval`` for a stream of progress
+    #: requests that never answered one (grpc-proxy's), which is probed once first.
+    stall_timeout: float = 8.0
     #: With credentials (a user, or a client certificate), how often the watch re-checks
     #: that they still grant reading the prefix: one count-only range with the current
     #: token, also run as soon as the token was renewed. etcd never re-checks an open
@@ -166,6 +179,14 @@ class StoreConfig:
                 raise InvalidInputError(
                     f"{name} must be one of {', '.join(map(repr, allowed))}, "
                     f"got {getattr(self, name)!r}")
+        for name in ("progress_interval", "stall_timeout"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise InvalidInputError(f"{name} must be above 0 seconds and finite, got "
+                                        f"{getattr(self, name)!r}")
+        if not 0 <= self.ping_interval < math.inf:
+            raise InvalidInputError(
+                f"ping_interval must be at least 0 seconds and finite, got "
+                f"{self.ping_interval!r}")
         if not 0 <= self.watch_pacing < self.stall_timeout:
             raise InvalidInputError(
                 f"watch_pacing must be at least 0 and below stall_timeout "
@@ -182,7 +203,7 @@ class StoreConfig:
         given = {k: v for k, v in overrides.items() if v is not None}
         for name in ("timeout", "request_timeout", "connect_timeout", "progress_interval",
                      "stall_timeout", "keepalive_time", "keepalive_timeout", "max_staleness",
-                     "watch_pacing"):
+                     "watch_pacing", "ping_interval"):
             if name in given:
                 given[name] = seconds(given[name], name)  # type: ignore[arg-type]
         for name in ("cache_size", "max_txn_ops", "max_request_bytes", "latency_sample_every",

@@ -92,6 +92,7 @@ METRIC_NAMES = (
     "cachedstore_watch_revision",
     "cachedstore_watch_scopes",
     "cachedstore_watch_quiet_refreshes_total",
+    "cachedstore_watch_liveness_requests_total",
     "cachedstore_waiters",
     "cachedstore_fills_dropped_total",
     "cachedstore_stale_reads_total",
@@ -202,6 +203,11 @@ class _Families:
             "cachedstore_watch_quiet_refreshes_total",
             "Scopes read afresh after a reconnect because their range had no event to "
             "replay (etcd's revision moved elsewhere meanwhile).", **kw)
+        self.watch_liveness = Counter(
+            "cachedstore_watch_liveness_requests_total",
+            "What quiet watch streams sent to learn that etcd is still there: HTTP/2 PINGs "
+            "(answered by etcd's transport, no etcd request) or progress requests.",
+            ["kind"], **kw)
         self.waiters = Gauge(
             "cachedstore_waiters",
             "Blocked gets and waits right now.",
@@ -218,7 +224,7 @@ class _Families:
             self.cache_requests, self.request_duration, self.etcd_requests,
             self.etcd_duration, self.cache_entries, self.cache_evictions, self.watch_events,
             self.watch_restarts, self.watch_up, self.watch_revision, self.watch_scopes,
-            self.quiet_refreshes, self.waiters,
+            self.quiet_refreshes, self.watch_liveness, self.waiters,
             self.fills_dropped, self.stale_reads]))
 
 
@@ -293,6 +299,8 @@ class StoreMetrics:
         self.watch_revision = f.watch_revision
         self.watch_scopes = f.watch_scopes
         self.quiet_refreshes = f.quiet_refreshes
+        self.watch_pings = f.watch_liveness.labels("ping")
+        self.progress_requests = f.watch_liveness.labels("progress")
         self.waiters = f.waiters
         self.fills_dropped = f.fills_dropped
         self.stale_reads = f.stale_reads
@@ -346,7 +354,7 @@ class NullMetrics:
         self.duration = dict.fromkeys(ALL_OPS, null)
         self.entries = self.evictions = self.events_put = self.events_delete = null
         self.watch_up = self.watch_revision = self.watch_scopes = self.waiters = null
-        self.quiet_refreshes = null
+        self.quiet_refreshes = self.watch_pings = self.progress_requests = null
         self.fills_dropped = self.stale_reads = null
         self.restarts = dict.fromkeys(RESTART_REASONS, null)
 

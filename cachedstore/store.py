@@ -105,8 +105,8 @@ class EtcdStore:
             default: a new private registry (``store.registry``). Pass
             ``prometheus_client.REGISTRY`` to use the global one.
         metrics: False to record no metrics at all.
-        request_timeout, connect_timeout, stall_timeout, progress_interval, max_staleness,
-        max_txn_ops, max_request_bytes, preload_limit, watch_scope, max_watches,
+        request_timeout, connect_timeout, stall_timeout, progress_interval, ping_interval,
+        max_staleness, max_txn_ops, max_request_bytes, preload_limit, watch_scope, max_watches,
         watch_transport, watch_pacing: see
             :class:`~cachedstore.StoreConfig`. ``watch_scope="touched"`` makes the store
             watch only the directories (``"dir/"``) and names its reads touched: for jobs
@@ -135,6 +135,7 @@ class EtcdStore:
         connect_timeout: float | None = None,
         stall_timeout: float | None = None,
         progress_interval: float | None = None,
+        ping_interval: float | None = None,
         max_staleness: float | None = None,
         max_txn_ops: int | None = None,
         max_request_bytes: int | None = None,
@@ -153,8 +154,8 @@ class EtcdStore:
         cfg = (config or StoreConfig()).with_overrides(
             cache_size=cache_size, timeout=timeout, request_timeout=request_timeout,
             connect_timeout=connect_timeout, stall_timeout=stall_timeout,
-            progress_interval=progress_interval, max_staleness=max_staleness,
-            max_txn_ops=max_txn_ops, max_request_bytes=max_request_bytes,
+            progress_interval=progress_interval, ping_interval=ping_interval,
+            max_staleness=max_staleness, max_txn_ops=max_txn_ops, max_request_bytes=max_request_bytes,
             preload_limit=preload_limit, watch_scope=watch_scope, max_watches=max_watches,
             watch_transport=watch_transport, watch_pacing=watch_pacing)
         self._config = cfg

@@ -15,12 +15,13 @@ answer out of order, see :class:`_Stream`), and so are events. The stream:
 - resyncs a scope whose resume revision etcd reports compacted: forgets it and starts it
   from a fresh revision (never retrying the compacted one);
 - treats a cancel (permission, auth) and a clean end of the stream as failures;
-- sends a progress request whenever the stream has been quiet for ``progress_interval``
-  and declares the stream stalled when nothing at all arrived for ``stall_timeout``:
-  a silent partition is detected within ``stall_timeout + progress_interval``. A stream
-  that has not answered any progress request (etcd's grpc-proxy ignores them) is first
-  probed with a unary range on the same channel; only if that fails too is it stalled
-  (detected within ``stall_timeout + 2 * progress_interval``);
+- checks that a quiet stream is alive with an HTTP/2 PING (wire transport, no etcd
+  request) or a progress request, and declares it stalled when nothing at all arrived for
+  ``stall_timeout``: a silent partition is detected within ``stall_timeout``
+  (``liveness.py`` says when each is sent). A stream of progress requests that has not
+  answered one (etcd's grpc-proxy ignores them) is first probed with a unary range on the
+  same channel; only if that fails too is it stalled (``+ progress_interval``). If etcd
+  refuses the PINGs (``too_many_pings``), the store uses progress requests from then on;
 - with credentials, re-checks every ``auth_check_interval`` (and after a token renewal)
   that they still grant reading the prefix, since etcd never re-checks an open watch: a
   deleted user or a revoked role ends the stream (restart reason ``auth``) within that
@@ -53,8 +54,10 @@ from .connection import Connection
 from .errors import CachedStoreError, EtcdPermissionError, StoreClosedError
 from .etcdapi import TRANSPORT_FAILURES, Failure
 from .keys import KeySpace
+from .liveness import Liveness, pings_fit
 from .metrics import NullMetrics, StoreMetrics
 from .scoping import Scope
+from .wire import PING, PONG
 
 __all__ = ["Watcher", "current_revision", "read_scope", "read_scopes", "snapshot"]
 
@@ -220,8 +223,13 @@ class Watcher:
         self.last_contact = 0.0
         #: The clock's time of the current stream's start or last message (stall watchdog).
         self._stream_contact = 0.0
-        #: Whether the current stream has answered a progress request (grpc-proxy never does).
+        #: Whether the current stream has answered a progress request: etcd itself is at its
+        #: other end. grpc-proxy never answers one (the headers of its other answers are
+        #: etcd's: they do not tell). Until then, and for good through a proxy, the stream
+        #: does not PING (the proxy would answer for etcd).
         self._progress_answered = False
+        #: etcd closed a connection for PINGing too often: progress requests from then on.
+        self._pings_refused = False
         #: The error that ended the last stream, if any (for the constructor's message).
         self.last_error: BaseException | None = None
         self.restarts = 0
@@ -368,51 +376,63 @@ class Watcher:
                                            0 if scope is anchor else scope.applied + 1)
 
         progress = etcdapi.watch_progress()
-        interval = self._config.progress_interval
-        stall_timeout = self._config.stall_timeout
-        auth_interval = self._config.auth_check_interval if self._conn.has_identity else None
+        config = self._config
+        interval = config.progress_interval
+        auth_interval = config.auth_check_interval if self._conn.has_identity else None
+        pinging = (getattr(endpoint.watch_stream, "pings", False) and not self._pings_refused
+                   and pings_fit(config.ping_interval, config.stall_timeout))
 
         def request_stream() -> Iterator[Any]:
-            # Runs on gRPC's request-consumer thread; doubles as the stall watchdog and,
-            # with credentials, as the access re-check (which never delays the watchdog:
-            # it runs after a progress tick, within the time left until the next one).
+            # Runs on the transport's request-consumer thread; doubles as the stall
+            # watchdog (liveness.py says when) and, with credentials, as the access
+            # re-check (which never delays the watchdog: it runs after a liveness step,
+            # within the time left until the next wake-up).
+            # Heard "now": the connection (TCP, TLS) is up once this runs on the wire
+            # transport, however long it took.
+            self._stream_contact = clock.monotonic()
             yield from creates()
-            next_progress = clock.monotonic() + interval
+            live = Liveness(clock.monotonic(), progress_interval=interval,
+                            stall_timeout=config.stall_timeout,
+                            ping_interval=config.ping_interval, pinging=pinging)
             next_auth = clock.monotonic() + auth_interval if auth_interval else None
             checked_token = self._conn.token
             while True:
-                now = clock.monotonic()
-                wait = next_progress - now
+                wake = live.next_wake(self._stream_contact)
                 if next_auth is not None:
-                    wait = min(wait, next_auth - now)
-                if clock.wait(stream.kick, max(0.0, wait)):
+                    wake = min(wake, next_auth)
+                if clock.wait(stream.kick, max(0.0, wake - clock.monotonic())):
                     if ended.is_set():
                         return  # the stream is over
                     yield from creates()  # a scope was opened
                     continue
                 if self._stopping.is_set():
                     return
-                now = clock.monotonic()
-                if now >= next_progress:
-                    next_progress = now + interval
-                    if now - self._stream_contact > stall_timeout:
-                        if not self._progress_answered and self._probe(endpoint,
-                                                                       interval):
-                            # Quiet, not stalled: this endpoint ignores progress
-                            # requests (etcd's grpc-proxy) but answers on the channel.
-                            self._stream_contact = clock.monotonic()
-                            continue
-                        stalled.set()
-                        self._cache.watch_down()  # stop serving now, not after cancel
-                        call.cancel()
-                        return
+                # etcd's grpc-proxy would answer PINGs itself, which says nothing of etcd:
+                # a stream PINGs only once etcd itself answered it (_progress_answered).
+                live.pinging = pinging and self._progress_answered
+                step = live.step(clock.monotonic(), self._stream_contact, self._lagging())
+                if step.stalled:
+                    if not self._progress_answered and self._probe(endpoint, interval):
+                        # Quiet, not stalled: this endpoint ignores progress requests
+                        # (etcd's grpc-proxy) but answers on the channel.
+                        self._stream_contact = clock.monotonic()
+                        continue
+                    stalled.set()
+                    self._cache.watch_down()  # stop serving now, not after cancel
+                    call.cancel()
+                    return
+                if step.ping:
+                    self._metrics.watch_pings.inc()
+                    yield PING
+                if step.progress:
+                    self._metrics.progress_requests.inc()
                     yield progress
                 if next_auth is None or auth_interval is None:
                     continue
                 token = self._conn.token
                 if clock.monotonic() < next_auth and token == checked_token:
                     continue
-                budget = max(0.05, next_progress - clock.monotonic())
+                budget = max(0.05, live.next_wake(self._stream_contact) - clock.monotonic())
                 granted = self._access_granted(budget)
                 if granted is False:
                     denied.set()
@@ -459,6 +479,13 @@ class Watcher:
                 self._conn.authenticate(self._conn.deadline(), stale_token=self._conn.token)
                 return "auth"
             if failure in TRANSPORT_FAILURES:  # resume on the next endpoint
+                if pinging and "too_many_pings" in str(exc):
+                    self._pings_refused = True  # the same stream, progress requests
+                    log.warning("cachedstore watch: etcd refused the stream's PINGs "
+                                "(ping_interval %g s is below its "
+                                "--grpc-keepalive-min-time); using progress requests "
+                                "every %g s from now on", config.ping_interval, interval)
+                    return "disconnect"
                 self._conn.failover(index)
                 return "disconnect"
             if failure is Failure.CANCELLED:
@@ -484,6 +511,10 @@ class Watcher:
         hurry = getattr(self._call, "hurry", None)
         if hurry is not None:
             hurry()
+
+    def _lagging(self) -> bool:
+        """Whether a watched scope is replaying (asks liveness for progress requests)."""
+        return any(s.catch_up_to for s in self._cache.watched_scopes())
 
     def _refresh_quiet_scopes(self) -> None:
         """Read afresh the scopes still replaying, a progress interval after the stream
@@ -552,6 +583,8 @@ class Watcher:
         """Apply one watch response from endpoint ``index``; return a restart reason if
         the stream must end. Raises ClusterMismatchError for a stream created on a member
         of another cluster (its member was replaced since it was checked)."""
+        if response is PONG:  # a PING acknowledged: liveness only (the caller noted it)
+            return None
         if response.created:  # matched by id: grpc-proxy may answer out of order
             # Before anything of this stream is used: its member is the store's cluster's
             # (a proxy's answers carry no cluster id: then one Status call, once).
@@ -620,5 +653,5 @@ class Watcher:
         self._revision = max(self._revision, last)
         self._metrics.events_put.inc(puts)
         self._metrics.events_delete.inc(len(batch) - puts)
-        self._metrics.watch_revision.set(self._revision)
+        self._metrics.watch_revision.set(max(self._revision, response.header.revision))
         return None

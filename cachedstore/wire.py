@@ -13,9 +13,11 @@ figures: a store's whole CPU per event of 130 µs here (49 µs pacing at 5 ms) a
 What it speaks, for one stream (id 1) per connection:
 
 - HTTP/2 (RFC 9113): the preface and SETTINGS (acknowledged both ways; push disabled), PING
-  (answered), flow control both ways (a request waits for send window; what etcd sends is
+  (answered; sent for each :data:`PING` the request iterator yields, each acknowledgement
+  yielded as :data:`PONG`), flow control both ways (a request waits for send window; what etcd sends is
   credited back once half the window is consumed), HEADERS with CONTINUATION and padding,
-  RST_STREAM and GOAWAY. etcd's header blocks are decoded by the ``hpack`` library; ours
+  RST_STREAM and GOAWAY (its code and debug text end up in the error's details, e.g.
+  ``too_many_pings``). etcd's header blocks are decoded by the ``hpack`` library; ours
   are literals never indexed (:func:`header_block`: the auth token stays out of every
   table and every other library's log); the frames themselves are nine bytes of header
   each, parsed inline (a frame library's objects would cost more per message than
@@ -56,7 +58,7 @@ from urllib.parse import unquote
 import grpc
 import hpack
 
-__all__ = ["WireCall", "WireError", "WireStub"]
+__all__ = ["PING", "PONG", "WireCall", "WireError", "WireStub"]
 
 log = logging.getLogger("cachedstore.watch")
 
@@ -110,6 +112,24 @@ def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
             + stream.to_bytes(4, "big") + payload)
 
 
+class _Token:
+    """A marker that is not a message: see :data:`PING` and :data:`PONG`."""
+
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __repr__(self) -> str:
+        return self._name
+
+
+#: Yielded by a call's request iterator instead of a message: send an HTTP/2 PING.
+PING = _Token("PING")
+#: Yielded by a call's iteration, between responses, for each PING acknowledgement.
+PONG = _Token("PONG")
+
+
 class WireError(grpc.RpcError):
     """A failed call, as grpcio reports one: ``code()`` (a ``grpc.StatusCode``) and
     ``details()``."""
@@ -130,6 +150,9 @@ class WireStub:
     ``[v6]:port``), a new connection per call; ``tls`` is a client SSL context for a
     secure endpoint (None: plaintext). ``Watch`` is etcd's watch method (named as the
     grpcio stub's, so the watcher takes either)."""
+
+    #: Its calls take :data:`PING` from the request iterator and yield :data:`PONG`.
+    pings = True
 
     def __init__(self, target: str, tls: ssl.SSLContext | None, connect_timeout: float,
                  deserialize: Callable[[bytes], Any], thread_name: str) -> None:
@@ -182,6 +205,8 @@ class WireCall:
         self._waiting: deque[bytes] = deque()  # taken from the outbox, not yet framed
         self._cancelled = False
         self._abort: WireError | None = None  # set by the sender thread
+        self._pings = 0  # PINGs the sender asked for, not yet sent (guarded by _lock)
+        self._goaway = ""  # what a GOAWAY that spared our stream said, if one came
         self._closed = False
         self._reading = False  # a thread is inside __next__ (only it touches the socket)
         self._error: WireError | None = None
@@ -232,7 +257,8 @@ class WireCall:
                         raise  # else: deliver what came before the error, then raise it
                 except OSError as exc:  # ssl.SSLError included
                     self._fail(grpc.StatusCode.UNAVAILABLE,
-                               f"connection to {self._authority} lost: {exc}")
+                               f"connection to {self._authority} lost: {exc}"
+                               + (f" after {self._goaway}" if self._goaway else ""))
                 except Exception as exc:  # a frame or message that does not parse
                     self._fail(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
             return self._responses.popleft()
@@ -311,15 +337,18 @@ class WireCall:
         """Wait for the socket or the sender, then read and answer what arrived."""
         sock, poller = self._sock, self._poller
         assert sock is not None
-        if self._outbox or self._cancelled or self._abort is not None:  # unlocked peek
-            with self._lock:
+        if self._outbox or self._pings or self._cancelled or self._abort is not None:
+            with self._lock:  # (the peek above is unlocked)
                 cancelled, abort = self._cancelled, self._abort
                 outbox, self._outbox = self._outbox, deque()
+                pings, self._pings = self._pings, 0
             if abort is not None:
                 self._fail(abort.code(), abort.details())
             if cancelled:
                 self._fail(grpc.StatusCode.CANCELLED, "cancelled")
             self._waiting.extend(outbox)
+            for _ in range(pings):  # control frames: no flow control, ahead of messages
+                self._send(_frame(_PING, 0, 0, b"cachedst"))
         while self._waiting and not self._half_closed:
             rest = self._frame_request(self._waiting[0])
             if rest:  # the windows are full: the rest waits for etcd's credit
@@ -351,7 +380,8 @@ class WireCall:
         except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             return
         if not data:
-            self._fail(grpc.StatusCode.UNAVAILABLE, "the connection was closed")
+            self._fail(grpc.StatusCode.UNAVAILABLE, "the connection was closed"
+                       + (f" after {self._goaway}" if self._goaway else ""))
         self._receive(data)
 
     def _pace(self) -> None:
@@ -425,6 +455,13 @@ class WireCall:
         """The sender thread: serialize each request; the reader sends it."""
         try:
             for request in self._requests:
+                if request is PING:
+                    with self._lock:
+                        if self._cancelled:
+                            return
+                        self._pings += 1
+                    self._wake()
+                    continue
                 data = request.SerializeToString()
                 with self._lock:
                     if self._cancelled:
@@ -495,6 +532,8 @@ class WireCall:
             elif kind == _PING:
                 if not flags & _ACK:
                     self._send(_frame(_PING, _ACK, 0, payload))
+                else:  # etcd sends PINGs of its own, but acknowledges only ours
+                    self._responses.append(PONG)
             elif kind == _WINDOW_UPDATE:
                 credit = int.from_bytes(payload[:4], "big") & 0x7FFF_FFFF
                 if stream in (0, _STREAM):
@@ -503,8 +542,12 @@ class WireCall:
                 code = int.from_bytes(payload[:4], "big")
                 self._fail(_RST_CODES.get(code, grpc.StatusCode.INTERNAL),
                            f"stream reset by the server (HTTP/2 error {code})")
-            elif kind == _GOAWAY and int.from_bytes(payload[:4], "big") < _STREAM:
-                self._fail(grpc.StatusCode.UNAVAILABLE, "the server went away (GOAWAY)")
+            elif kind == _GOAWAY:
+                code = int.from_bytes(payload[4:8], "big")
+                said = f"GOAWAY (HTTP/2 error {code}: {payload[8:].decode('latin-1')!r})"
+                if int.from_bytes(payload[:4], "big") & 0x7FFF_FFFF < _STREAM:
+                    self._fail(grpc.StatusCode.UNAVAILABLE, f"the server went away: {said}")
+                self._goaway = said  # our stream may finish: the closed connection says it
         self._inbuf = buf[pos:]
 
     def _on_settings(self, payload: bytes) -> None:

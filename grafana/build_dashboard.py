@@ -232,7 +232,10 @@ LAYOUT: list[tuple[Panel, int, int]] = [
                   f"max by (instance) ({sel('cachedstore_watch_revision')}))",
                   "{{instance}}")],
                 "Revisions each watch is behind the newest revision any watch has confirmed "
-                "(etcd's revision, up to one scrape interval): the 10 furthest behind."),
+                "(etcd's revision, up to one scrape interval): the 10 furthest behind. A "
+                "watch learns etcd's revision from its events (and progress answers): one "
+                "that only PINGs while quiet, or watches only what its store touched, shows "
+                "the revision of its last event, which is not staleness."),
      12, 8),
     (timeseries("Watch scopes, top 10 instances", "none",
                 [(f"topk(10, sum by (instance) ({sel('cachedstore_watch_scopes')}))",
@@ -246,6 +249,12 @@ LAYOUT: list[tuple[Panel, int, int]] = [
                   "{{instance}}")],
                 "Scopes read again after a reconnect because nothing in their range changed "
                 "meanwhile (no event to end their replay); one read per scope."), 12, 8),
+    (timeseries("Watch liveness checks", "ops",
+                [(f"sum by (kind) ({rate('cachedstore_watch_liveness_requests_total')})",
+                  "{{kind}}")],
+                "What quiet watch streams send to learn etcd is still there: HTTP/2 PINGs "
+                "(answered by etcd's transport, not an etcd request) or, with grpcio or "
+                "after etcd refused PINGs, progress requests (etcd requests)."), 12, 8),
     (row("Blocking and consistency"), 24, 1),
     (timeseries("Waiters, top 10 instances", "short",
                 [(f"topk(10, sum by (instance) ({sel('cachedstore_waiters')}))",

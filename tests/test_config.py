@@ -18,6 +18,7 @@ from cachedstore.errors import (
     TLSError,
 )
 from cachedstore.keys import KeySpace, prefix_range_end, to_value
+from cachedstore.liveness import pings_fit
 from tests.util import FakeRpcError
 
 
@@ -32,8 +33,14 @@ def test_backoff_grows_caps_and_jitters():
 
 
 def test_default_partition_detection_bound_is_at_most_10_s():
+    """The bound is ``stall_timeout`` (PINGs, or answered progress requests), plus one
+    ``progress_interval`` for a progress-request stream that never answered one. The
+    default PINGs are used (below ``stall_timeout``) and never more often than etcd's
+    default ``--grpc-keepalive-min-time`` of 5 s allows."""
     config = StoreConfig()
     assert config.stall_timeout + config.progress_interval <= 10
+    assert config.ping_interval >= 5.0 and pings_fit(config.ping_interval,
+                                                     config.stall_timeout)
     assert config.max_txn_ops == 128 and config.max_request_bytes == 1_572_864
     assert config.max_staleness is None  # strict by default
 
@@ -52,7 +59,7 @@ def test_seconds_and_overrides():
         StoreConfig().with_overrides(cache_size=0)
 
 
-@pytest.mark.parametrize("pacing", [float("inf"), 6.0, -0.001, float("nan"), "2ms"])
+@pytest.mark.parametrize("pacing", [float("inf"), 8.0, -0.001, float("nan"), "2ms"])
 def test_watch_pacing_is_refused_unless_below_the_stall_timeout(pacing: object) -> None:
     """Pacing as long as the stall timeout would have a paced stream declared stalled (and
     epoll refuses an infinite wait): refused with a clear, typed error."""
@@ -60,6 +67,21 @@ def test_watch_pacing_is_refused_unless_below_the_stall_timeout(pacing: object) 
         StoreConfig().with_overrides(watch_pacing=pacing)
     assert StoreConfig().with_overrides(watch_pacing=0).watch_pacing == 0.0
     assert StoreConfig(stall_timeout=300).with_overrides(watch_pacing=200).watch_pacing == 200
+
+
+@pytest.mark.parametrize("interval", [float("inf"), -1.0, float("nan"), "5s"])
+def test_ping_interval_is_refused_unless_finite_and_not_negative(interval: object) -> None:
+    with pytest.raises((InvalidInputError, InvalidTypeError), match="ping_interval"):
+        StoreConfig().with_overrides(ping_interval=interval)
+    assert StoreConfig().with_overrides(ping_interval=0).ping_interval == 0.0
+
+
+@pytest.mark.parametrize("name", ["progress_interval", "stall_timeout"])
+@pytest.mark.parametrize("value", [0, float("inf")])
+def test_liveness_intervals_must_be_positive_and_finite(name: str, value: float) -> None:
+    """0 would have the watch's request side wake up without end (and ask etcd each time)."""
+    with pytest.raises(InvalidInputError, match=name):
+        StoreConfig().with_overrides(**{name: value})
 
 
 def test_keyspace_mapping():

@@ -355,7 +355,8 @@ def test_an_unknown_transport_is_refused() -> None:
 
 # -- pacing (StoreConfig.watch_pacing) --------------------------------------------------------
 _HOUR = 3600.0  # a pacing interval no test outlives: only hurry() or cancel() ends a wait
-_LONG = 200.0  # a store's, below its stall_timeout of 300 s (no progress request before 120)
+_LONG = 200.0  # a store's, below its stall_timeout of 300 s (no PING, no progress request
+#                before 120 s)
 
 
 def _unread_bytes(call: Any) -> int:
@@ -437,7 +438,8 @@ def test_a_blocked_get_ends_the_stores_pacing(etcd: LocalEtcd, prefix: str) -> N
     request ends the pacing meanwhile: the first is two minutes away.)"""
     client = raw_client(etcd)
     store = EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, watch_pacing=_LONG,
-                      progress_interval=120, stall_timeout=300)
+                      progress_interval=120, stall_timeout=300,
+                      ping_interval=0)
     try:
         call = store._watcher._call  # paces from the answer to its create on
         eventually(lambda: call._pacing_now, what="the watch pacing")
@@ -464,7 +466,8 @@ def test_a_scope_opened_while_pacing_has_its_create_answered(etcd: LocalEtcd,
     the answer is read as it comes (no progress request ends the pacing meanwhile)."""
     client = raw_client(etcd)
     store = EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, watch_scope="touched",
-                      watch_pacing=_LONG, progress_interval=120, stall_timeout=300)
+                      watch_pacing=_LONG, progress_interval=120, stall_timeout=300,
+                      ping_interval=0)
     try:
         client.put(prefix + "a", "1")
         client.put(prefix + "b", "2")
@@ -513,7 +516,8 @@ def test_a_replay_after_a_reconnect_is_not_paced(etcd: LocalEtcd, prefix: str) -
     watchers' loop): none of them waits out a pacing interval (here 200 s)."""
     client = raw_client(etcd)
     store = EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, watch_pacing=_LONG,
-                      progress_interval=120, stall_timeout=300)
+                      progress_interval=120, stall_timeout=300,
+                      ping_interval=0)
     try:
         call = store._watcher._call
         eventually(lambda: call._pacing_now, what="the watch pacing")

@@ -13,7 +13,7 @@ import pytest
 from cachedstore import EtcdStore
 from cachedstore.server import GrpcProxy, LocalEtcd, LocalEtcdCluster
 
-from . import follows_by_watch, restarts, split, wait_until
+from . import follows_by_watch, restarts, sample, split, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -94,15 +94,20 @@ def test_cluster_members_killed_one_at_a_time(prefix: str) -> None:
     print("\n" + "\n".join(report))
 
 
-def test_store_behind_grpc_proxy(etcd_factory, prefix: str) -> None:
+@pytest.mark.parametrize("ping_interval", [None, 0.3], ids=["default", "pings-fit"])
+def test_store_behind_grpc_proxy(etcd_factory, prefix: str, ping_interval: float | None
+                                 ) -> None:
     """Through etcd's ``grpc-proxy``: reads, writes, blocking waits and watch coherence
-    work, and a quiet watch is not mistaken for a stalled one."""
+    work, and a quiet watch is not mistaken for a stalled one. It never PINGs there, even
+    when PINGs would fit its stall timeout: the proxy would answer them for etcd (and, at
+    0.3 s, close the connection for PINGing more often than its 5 s minimum)."""
     server: LocalEtcd = etcd_factory()
     stall_timeout, progress_interval = 1.0, 0.25
     with GrpcProxy(server.endpoints) as proxy, \
             closing(etcd3.client(*split(server.endpoint), timeout=5)) as writer, \
             EtcdStore(endpoints=[proxy.endpoint], prefix=prefix, stall_timeout=stall_timeout,
-                      progress_interval=progress_interval) as store:
+                      progress_interval=progress_interval,
+                      ping_interval=ping_interval) as store:
         store.set("k", "v1")
         assert store.get("k") == b"v1"
         assert store.add("n", 2) == 2 and store.compare_set("n", "2", "3") == b"3"
@@ -125,5 +130,8 @@ def test_store_behind_grpc_proxy(etcd_factory, prefix: str) -> None:
             assert store.watch_healthy, "the quiet watch was declared down behind grpc-proxy"
             time.sleep(0.05)
         assert restarts(store, "stalled") == 0
+        assert store._watcher.restarts == 0
+        assert sample(store, "cachedstore_watch_liveness_requests_total",
+                      {"kind": "ping"}) == 0
         writer.put(prefix + "k", "v3")
         follows_by_watch(store, lambda v: writer.put(prefix + "k", v), "k", b"v3", "v4")

@@ -35,7 +35,8 @@ def _client(server: LocalEtcd) -> etcd3.Etcd3Client:
 
 @pytest.fixture
 def server(etcd_factory: Callable[..., LocalEtcd]) -> LocalEtcd:
-    return etcd_factory()
+    # PINGs as often as the tests' short stall timeouts need (etcd's default: 5 s apart).
+    return etcd_factory(extra_args=["--grpc-keepalive-min-time=100ms"])
 
 
 @pytest.fixture
@@ -155,22 +156,29 @@ def test_reset_during_writes_and_compaction_serves_nothing_stale(
                          "followed")
 
 
+@pytest.mark.parametrize("liveness", ["ping", "progress"])
 def test_silent_partition_detected_within_bound(server: LocalEtcd, proxy: FaultProxy,
-                                                prefix: str) -> None:
-    """A stalled path (bytes held, nothing closed) is detected within the documented bound,
-    ``stall_timeout + progress_interval`` (``+ progress_interval`` more for a stream that
-    has not answered a progress request yet, as here: it is probed first); then cached
-    values are no longer served; after healing the store resumes. Default bound <= 10 s."""
+                                                prefix: str, liveness: str) -> None:
+    """A stalled path (bytes held, nothing closed) is detected within the documented bound:
+    ``stall_timeout`` for a stream that PINGs (the default); for one of progress requests
+    ``+ progress_interval`` if it has not answered one yet, as here (it is probed first).
+    Then cached values are no longer served; after healing the store resumes. Default
+    bound <= 10 s."""
     defaults = StoreConfig()
-    assert defaults.stall_timeout + 2 * defaults.progress_interval <= 10.0
+    assert defaults.ping_interval < defaults.stall_timeout <= 10.0
+    assert defaults.stall_timeout + defaults.progress_interval <= 10.0
     stall_timeout, progress_interval = 1.5, 0.5
-    bound = stall_timeout + 2 * progress_interval
+    ping_interval = 0.5 if liveness == "ping" else 0.0
+    bound = stall_timeout + (progress_interval if liveness == "progress" else 0.0)
     with _store(proxy.endpoint, prefix, stall_timeout=stall_timeout,
-                progress_interval=progress_interval) as store, \
+                progress_interval=progress_interval, ping_interval=ping_interval) as store, \
             closing(_client(server)) as writer:
         store.set("k", "v1")
         assert store.get("k") == b"v1"
         wait_until(lambda: store.watch_healthy, 5, "a healthy watch")
+        if liveness == "ping":  # its first check is a progress request; then PINGs
+            wait_until(lambda: sample(store, "cachedstore_watch_liveness_requests_total",
+                                      {"kind": "ping"}) >= 1, 10, "the first PING")
         started = time.monotonic()
         proxy.stall()
         detected = wait_until(lambda: not store.watch_healthy, bound + 5,
@@ -185,6 +193,10 @@ def test_silent_partition_detected_within_bound(server: LocalEtcd, proxy: FaultP
                 continue
             assert value == b"v2"  # never the cached v1
         assert restarts(store, "stalled") >= 1
+        kinds = {k: sample(store, "cachedstore_watch_liveness_requests_total", {"kind": k})
+                 for k in ("ping", "progress")}
+        assert (kinds["ping"] > 0) == (liveness == "ping"), kinds
+        assert kinds["progress"] > 0 or liveness == "ping", kinds
         proxy.heal()
         wait_until(lambda: store.watch_healthy, 20, "the watch to resume after healing")
         wait_until(lambda: _get_or_none(store, "k") == b"v2", 10, "the current value")

@@ -1,10 +1,11 @@
-"""Stall detection on an injected clock (issue 10): the watchdog's 6 s stall bound runs on
+"""Stall detection on an injected clock (issue 10): the watchdog's 8 s stall bound runs on
 a :class:`~cachedstore.clock.FakeClock`, so the test moves time instead of sleeping, and
 asserts the exact point in (fake) time where the stall is declared.
 
 The watch itself is real: a Connection and a Watcher (given the fake clock) against a real
-etcd through a :class:`~tests.faults.proxy.FaultProxy` that goes silent. Only the liveness
-probe that precedes the verdict is a real-time gRPC deadline (``progress_interval``).
+etcd through a :class:`~tests.faults.proxy.FaultProxy` that goes silent. With progress
+requests, only the liveness probe that precedes the verdict is a real-time gRPC deadline
+(``progress_interval``); a PINGing stream (the default) has no probe.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from .proxy import FaultProxy
 
 pytestmark = pytest.mark.timeout(60)
 
-STALL_TIMEOUT, PROGRESS_INTERVAL = 6.0, 2.0  # the defaults
+STALL_TIMEOUT, PROGRESS_INTERVAL, PING_INTERVAL = 8.0, 2.0, 5.0  # the defaults
 
 
 class _CountingClock(FakeClock):
@@ -58,10 +59,13 @@ def proxy(etcd_factory: Callable[..., LocalEtcd]) -> Iterator[FaultProxy]:
         yield p
 
 
-def test_stall_declared_exactly_past_the_bound_on_a_fake_clock(proxy: FaultProxy,
-                                                                prefix: str) -> None:
+@pytest.mark.parametrize("ping_interval", [PING_INTERVAL, 0.0], ids=["ping", "progress"])
+def test_stall_declared_exactly_past_the_bound_on_a_fake_clock(proxy: FaultProxy, prefix: str,
+                                                                ping_interval: float) -> None:
     clock = _CountingClock()
-    config = StoreConfig(stall_timeout=STALL_TIMEOUT, progress_interval=PROGRESS_INTERVAL)
+    config = StoreConfig(stall_timeout=STALL_TIMEOUT, progress_interval=PROGRESS_INTERVAL,
+                         ping_interval=ping_interval)
+    assert StoreConfig().ping_interval == PING_INTERVAL
     conn = Connection([split(proxy.endpoint)], Credentials(), config, NullMetrics(), clock)
     keys = KeySpace(prefix, config.max_request_bytes)
     cache = CoherentCache(16, NullMetrics())
@@ -72,21 +76,34 @@ def test_stall_declared_exactly_past_the_bound_on_a_fake_clock(proxy: FaultProxy
     try:
         watcher.start(revision)
         assert watcher.ready.wait(5)
-        clock.wait_for_waiters(1)  # the watchdog, parked until the first progress tick
+        clock.wait_for_waiters(1)  # the watchdog, parked until its first wake-up
         assert cache.floor != NOT_SERVING
+        if ping_interval:
+            # The stream's first check is a progress request: once etcd answered it, the
+            # stream PINGs (a proxy would not have answered).
+            clock.step(PROGRESS_INTERVAL)
+            wait_until(lambda: watcher._progress_answered, 5, "the progress answer")
+            clock.wait_for_waiters(1)
+        started = clock.monotonic()  # the last contact (the progress answer, or the start)
         proxy.stall()
 
         # Just short of the bound (the stream's last contact was at its start): still up.
         clock.step(STALL_TIMEOUT - 0.1)
         assert cache.floor != NOT_SERVING and watcher.up
-        # The next tick is past it: the stream never answered a progress request, so it
-        # is probed (a real-time deadline of progress_interval) and then declared stalled.
         before = clock.monotonic()
-        clock.advance(PROGRESS_INTERVAL)
-        wait_until(lambda: cache.floor == NOT_SERVING, PROGRESS_INTERVAL + 5,
-                   "the stall to be declared")
-        elapsed = clock.monotonic() - before + STALL_TIMEOUT - 0.1
-        assert STALL_TIMEOUT < elapsed <= STALL_TIMEOUT + 2 * PROGRESS_INTERVAL
+        if ping_interval:
+            # A PING went out (unanswered): the stall is declared at the bound itself.
+            clock.advance(0.1)
+            wait_until(lambda: cache.floor == NOT_SERVING, 5, "the stall to be declared")
+            assert clock.monotonic() - started == STALL_TIMEOUT
+        else:
+            # The stream never answered a progress request, so it is probed (a real-time
+            # deadline of progress_interval) and then declared stalled.
+            clock.advance(0.1)
+            wait_until(lambda: cache.floor == NOT_SERVING, PROGRESS_INTERVAL + 5,
+                       "the stall to be declared")
+            elapsed = clock.monotonic() - before + STALL_TIMEOUT - 0.1
+            assert STALL_TIMEOUT <= elapsed <= STALL_TIMEOUT + PROGRESS_INTERVAL
         wait_until(lambda: watcher.restarts >= 1, 5, "the watch to restart")
     finally:
         watcher.stop()
