@@ -109,7 +109,10 @@ def markdown(worlds: dict[int, dict[str, Any]], extras: dict[str, Any],
         "*requests*: unary gRPC calls + messages clients sent on watch streams (creates, "
         "progress requests); *proposals*: `etcd_server_proposals_committed_total`; *watch "
         "msgs*: `grpc_server_msg_sent_total{grpc_method=\"Watch\"}` (of which *events* = sent "
-        "− received: messages that were not answers). All per rank unless marked.",
+        "− received: messages that were not answers); *PINGs*: HTTP/2 PINGs the stores' "
+        "quiet watch streams sent (`cachedstore_watch_liveness_requests_total`, counted by "
+        "the stores: etcd answers them in its gRPC transport and counts no request). All "
+        "per rank unless marked.",
         "",
         "## Runs",
         "",
@@ -143,10 +146,12 @@ def markdown(worlds: dict[int, dict[str, Any]], extras: dict[str, Any],
                 _s(t["wall_s"]) if t else "–", f"{ratio:,.0f}×" if ratio else "–",
                 _n(_per_rank(r, "requests")), _n(_per_rank(r, "proposals")),
                 _n(_per_rank(r, "watch_msgs_sent"), 1), _n(_per_rank(r, "watch_event_msgs"), 1),
+                _n(r["extras"]["liveness_ping"] / w if "liveness_ping" in r.get("extras", {})
+                   else None),
                 ", ".join(f"{k} {v:,}" for k, v in sorted(r["counts"]["requests"].items())),
                 f"{r['needed_deliveries']:,}"])
         lines += [_table(["W", "cachedstore wall", "TCPStore wall", "ratio", "requests",
-                          "proposals", "watch msgs", "of which events",
+                          "proposals", "watch msgs", "of which events", "PINGs",
                           "etcd requests (total, by method)", "deliveries needed (total)"],
                          rows), ""]
         dnf = [f"W={w}: {'; '.join(by_w[w]['errors'][:2])}" for w in ws

@@ -200,8 +200,10 @@ def run_pattern(pattern: str, world: int, etcd_endpoint: str | None = None,
         _call_all(workers, "connect", timeout=CONNECT_TIMEOUT)
         connect_s = time.perf_counter() - t
         s1 = None
+        live1: dict[str, float] = {}
         if measure and s0 is not None:
             s1 = _settled(workers, measure)
+            live1 = _liveness(workers)
         deadline = time.monotonic() + budget
         errors: list[str] = []
         extras: dict[str, Any] = {}
@@ -225,6 +227,9 @@ def run_pattern(pattern: str, world: int, etcd_endpoint: str | None = None,
         if measure and s0 is not None and s1 is not None:
             s2 = _settled(workers, measure)
             counts, connect = s2.minus(s1), s1.minus(s0)
+            live2 = _liveness(workers)
+            for kind, total in live2.items():  # totals over the job, as counts are
+                extras[f"liveness_{kind}"] = total - live1.get(kind, 0.0)
         access = Access()
         for part in _call_all(workers, "access", timeout=120):
             access.merge(part)
@@ -238,6 +243,15 @@ def run_pattern(pattern: str, world: int, etcd_endpoint: str | None = None,
             w.close()
         if measure is not None:
             measure.close()
+
+
+def _liveness(workers: list[Any]) -> dict[str, float]:
+    """Every store's liveness messages so far, by kind, summed over the workers."""
+    totals: dict[str, float] = {}
+    for part in _call_all(workers, "liveness", timeout=60):
+        for kind, value in part.items():
+            totals[kind] = totals.get(kind, 0.0) + value
+    return totals
 
 
 def _settled(workers: list[Any], measure: Any) -> Any:

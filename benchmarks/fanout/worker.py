@@ -137,6 +137,21 @@ class RankGroup:
                 return False
             time.sleep(0.01)
 
+    def liveness(self) -> dict[str, float]:
+        """What this group's etcd stores sent so far to learn etcd is alive, by kind
+        (``cachedstore_watch_liveness_requests_total``): ``ping`` (HTTP/2 PINGs, which
+        etcd's metrics do not count) and ``progress`` (progress requests, which they do)."""
+        totals = {"ping": 0.0, "progress": 0.0}
+        for ctx in self._ctx:
+            store = ctx.etcd_store
+            if store is None or store.registry is None:
+                continue
+            for kind in totals:
+                value = store.registry.get_sample_value(
+                    "cachedstore_watch_liveness_requests_total", {"kind": kind})
+                totals[kind] += value or 0.0
+        return totals
+
     def access(self) -> Access:
         """Who read and wrote which key so far."""
         acc = Access()
