@@ -24,6 +24,7 @@ from cachedstore import (
     InvalidTypeError,
     KeyNotFoundError,
     NotAnIntegerError,
+    counters,
 )
 from cachedstore.server import LocalEtcd
 
@@ -70,6 +71,8 @@ def _expected(name: str | bytes, value: str | bytes) -> tuple[bytes, bytes] | ty
     except UnicodeEncodeError:
         return InvalidInputError
     if not key or key.startswith((b"\xff\xff", b"\x00queue/")):  # empty, or reserved
+        return InvalidInputError
+    if data.startswith(counters.MARK):  # a counter's value: no one else may write one
         return InvalidInputError
     return key, data
 
@@ -146,6 +149,7 @@ def _wait_watch(store: EtcdStore, revision: int) -> None:
 @example(name=b"\x80", desired=b"")
 @example(name=b"\xff\xff", desired=b"")  # reserved for counters: refused
 @example(name="\x00queue/x", desired="v")  # reserved for queue items: refused
+@example(name="0", desired=b"\x00cachedstore:counter\x00")  # a counter's marker: refused
 def test_compare_set_and_delete_round_trip_or_are_refused(
         space: dict[str, Any], name: str | bytes, desired: str | bytes) -> None:
     writer = space["writer"]
