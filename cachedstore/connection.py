@@ -15,7 +15,7 @@ import logging
 import ssl
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -38,7 +38,7 @@ from .errors import (
 )
 from .etcdapi import TRANSPORT_FAILURES, Failure
 from .metrics import NullMetrics, StoreMetrics
-from .wire import WireStub
+from .wire import WireError, WireStub
 
 log = logging.getLogger("cachedstore.connection")
 
@@ -222,6 +222,8 @@ class Connection:
         self._current = 0
         self._token: str | None = None
         self._closed = False
+        #: Read-only Txns whose caller stopped waiting, left to finish (_txn_not_cancelled).
+        self._unfinished: set[Any] = set()
         #: The ``cluster_id`` of the first member that answered: the store's cluster.
         self._cluster_id: int | None = None
         # gRPC takes the minimum reconnect back-off as the time one connection attempt
@@ -328,6 +330,27 @@ class Connection:
         raise ClusterMismatchError(
             f"etcd endpoint {ep.target} is a member of another cluster (cluster id "
             f"{cluster_id:x}, the store's is {expected:x}); it is not used")
+
+    def _txn_not_cancelled(self, ep: _Endpoint, request: Any, wait: float,
+                           metadata: tuple[tuple[str, str], ...]) -> Any:
+        """A read-only Txn whose caller gives it ``wait`` seconds, less than
+        ``request_timeout`` (a blocking read near its deadline, torch's ``check``): its
+        answer is waited for that long, but the RPC is not cancelled when it is late.
+        etcd before 3.5.5 panics (and exits) when a read-only Txn is cancelled while it
+        executes (etcd-io/etcd#14110): one overloaded client could take the member down.
+        The RPC runs on within ``request_timeout`` and its answer is dropped. Raises
+        grpc.RpcError (DEADLINE_EXCEEDED when late)."""
+        future = _rpc(ep, "txn").future(request, timeout=self._config.request_timeout,
+                                        metadata=metadata)
+        try:
+            return future.result(timeout=wait)
+        except grpc.FutureTimeoutError:
+            # grpcio cancels a call whose future is garbage-collected: keep it until done.
+            self._unfinished.add(future)
+            future.add_done_callback(self._unfinished.discard)
+            raise WireError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            "Deadline Exceeded (the read-only Txn was left to finish)"
+                            ) from None
 
     def check_member(self, index: int, deadline: float) -> None:
         """Make sure endpoint ``index`` is a member of the store's cluster: nothing if it
@@ -465,7 +488,12 @@ class Connection:
                     if method == "status":
                         return status
                     started = time.perf_counter()
-                response = _rpc(ep, method)(request, timeout=per_attempt, metadata=metadata)
+                if (method == "txn" and per_attempt < self._config.request_timeout
+                        and _read_only(request)):
+                    response = self._txn_not_cancelled(ep, request, per_attempt, metadata)
+                else:
+                    response = _rpc(ep, method)(request, timeout=per_attempt,
+                                                metadata=metadata)
             except grpc.RpcError as exc:
                 failure = self._count_failure(method, exc, started)
                 if self._closed:
@@ -553,6 +581,13 @@ _METHODS: dict[str, tuple[str, str]] = {
 }
 
 
-def _rpc(ep: _Endpoint, method: str) -> Callable[..., Any]:
+def _read_only(request: Any) -> bool:
+    """Whether a TxnRequest only reads (every operation of both branches a range)."""
+    return all(op.HasField("request_range") for op in request.success) and all(
+        op.HasField("request_range") for op in request.failure)
+
+
+def _rpc(ep: _Endpoint, method: str) -> Any:
+    """The grpcio multi-callable of ``method`` on ``ep`` (call it, or its ``future``)."""
     stub_name, rpc_name = _METHODS[method]
     return getattr(getattr(ep, stub_name), rpc_name)

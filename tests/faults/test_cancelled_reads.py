@@ -1,0 +1,73 @@
+"""etcd before 3.5.5 panics and exits when a read-only Txn is cancelled while it executes
+(etcd-io/etcd#14110, "unexpected error during txn: context canceled"); the tests' etcd is
+3.5.1. A store's blocking reads near their deadline (torch's ``check``, a wait's probe)
+give a read-only Txn less than ``request_timeout``: under load the answer is late, and
+cancelling the call took the member down (the W = 1,024 fan-out benchmark, twice). The
+connection layer waits that long for the answer and leaves the call to finish instead.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import grpc
+import pytest
+from etcd3 import etcdrpc
+
+from cachedstore import EtcdConnectionError, StoreConfig
+from cachedstore.connection import Connection, Credentials
+from cachedstore.metrics import NullMetrics
+from cachedstore.server import LocalEtcd
+
+from . import split, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+_KEYS = 25_600
+
+
+def _slow_read(prefix: bytes) -> etcdrpc.TxnRequest:
+    """A read-only Txn that takes etcd ~100 ms: four keys-only ranges over 25,600 keys
+    (etcd checks for cancellation at each key it reads)."""
+    whole = etcdrpc.RangeRequest(key=prefix, range_end=prefix[:-1] + b"0", keys_only=True)
+    return etcdrpc.TxnRequest(success=[etcdrpc.RequestOp(request_range=whole)] * 4)
+
+
+def _fill(server: LocalEtcd, prefix: bytes) -> None:
+    with grpc.insecure_channel(server.endpoint) as channel:
+        kv = etcdrpc.KVStub(channel)
+        for batch in range(_KEYS // 128):
+            kv.Txn(etcdrpc.TxnRequest(success=[
+                etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(
+                    key=prefix + b"%06d" % (batch * 128 + i), value=b"v" * 100))
+                for i in range(128)]))
+
+
+def test_a_late_read_only_txn_is_not_cancelled(etcd_factory: Callable[..., LocalEtcd]
+                                               ) -> None:
+    """Ten reads given 10-46 ms each, every one late: each raises EtcdConnectionError,
+    and etcd is still up (with the call cancelled instead, the first one killed it)."""
+    server = etcd_factory()
+    prefix = b"/slow/"
+    _fill(server, prefix)
+    config = StoreConfig(request_timeout=10.0)
+    conn = Connection([split(server.endpoint)], Credentials(), config, NullMetrics())
+    try:
+        started = time.monotonic()
+        conn.call("txn", _slow_read(prefix), deadline=conn.deadline())  # untimed: ~0.1 s
+        full = time.monotonic() - started
+        late = 0
+        for i in range(10):
+            wait = 0.01 + 0.004 * i
+            if wait >= full:
+                continue
+            with pytest.raises(EtcdConnectionError):
+                conn.call("txn", _slow_read(prefix), deadline=conn.deadline(wait))
+            late += 1
+        assert late >= 3, f"the read took only {full:.3f} s: nothing was late"
+        wait_until(lambda: not conn._unfinished, 20, "the late reads to finish at etcd")
+        assert server.running, "etcd exited: a cancelled read-only Txn (etcd-io/etcd#14110)"
+        assert conn.call("txn", _slow_read(prefix), deadline=conn.deadline()).succeeded
+    finally:
+        conn.close()
