@@ -228,8 +228,8 @@ def run_pattern(pattern: str, world: int, etcd_endpoint: str | None = None,
             s2 = _settled(workers, measure)
             counts, connect = s2.minus(s1), s1.minus(s0)
             live2 = _liveness(workers)
-            for kind, total in live2.items():  # totals over the job, as counts are
-                extras[f"liveness_{kind}"] = total - live1.get(kind, 0.0)
+            for what, total in live2.items():  # totals over the job, as counts are
+                extras[f"liveness_{what}"] = total - live1.get(what, 0.0)
         access = Access()
         for part in _call_all(workers, "access", timeout=120):
             access.merge(part)
