@@ -333,21 +333,27 @@ class Connection:
 
     def _txn_not_cancelled(self, ep: _Endpoint, request: Any, wait: float,
                            metadata: tuple[tuple[str, str], ...]) -> Any:
-        """A read-only Txn whose caller gives it ``wait`` seconds, less than
-        ``request_timeout`` (a blocking read near its deadline, torch's ``check``): its
-        answer is waited for that long, but the RPC is not cancelled when it is late.
-        etcd before 3.5.5 panics (and exits) when a read-only Txn is cancelled while it
-        executes (etcd-io/etcd#14110): one overloaded client could take the member down.
-        The RPC runs on within ``request_timeout`` and its answer is dropped. Raises
-        grpc.RpcError (DEADLINE_EXCEEDED when late)."""
+        """A read-only Txn whose caller gives it ``wait`` seconds, clearly less than
+        ``request_timeout`` (a blocking read near its deadline: torch's ``wait``/``check``
+        of several names, a scope opening): its answer is waited for that long, but the
+        RPC is not cancelled when it is late. etcd before 3.5.5 panics (and exits) when a
+        read-only Txn is cancelled while it executes (etcd-io/etcd#14110): one overloaded
+        client could take the member down. The RPC runs on, with ``request_timeout`` as
+        its deadline (which etcd enforces on its side too: a read still running then can
+        still trip the bug), and its answer is dropped. Raises grpc.RpcError
+        (DEADLINE_EXCEEDED when late)."""
         future = _rpc(ep, "txn").future(request, timeout=self._config.request_timeout,
                                         metadata=metadata)
         try:
             return future.result(timeout=wait)
-        except grpc.FutureTimeoutError:
+        except grpc.RpcError:
+            raise  # the call's own failure
+        except BaseException as exc:  # late (or interrupted): the call is left running
             # grpcio cancels a call whose future is garbage-collected: keep it until done.
             self._unfinished.add(future)
             future.add_done_callback(self._unfinished.discard)
+            if not isinstance(exc, grpc.FutureTimeoutError):
+                raise
             raise WireError(grpc.StatusCode.DEADLINE_EXCEEDED,
                             "Deadline Exceeded (the read-only Txn was left to finish)"
                             ) from None
@@ -488,7 +494,7 @@ class Connection:
                     if method == "status":
                         return status
                     started = time.perf_counter()
-                if (method == "txn" and per_attempt < self._config.request_timeout
+                if (method == "txn" and per_attempt < _SHORT * self._config.request_timeout
                         and _read_only(request)):
                     response = self._txn_not_cancelled(ep, request, per_attempt, metadata)
                 else:
@@ -543,7 +549,18 @@ class Connection:
             return response
 
     def close(self) -> None:
-        """Close every channel; calls in flight fail with StoreClosedError. Idempotent."""
+        """Close every channel; calls in flight fail with StoreClosedError. Idempotent.
+        Blocks up to ``_DRAIN`` (1 s) for read-only Txns left to finish (see
+        :meth:`_txn_not_cancelled`): closing a channel cancels them."""
+        drain_until = time.monotonic() + _DRAIN
+        for future in list(self._unfinished):
+            left = drain_until - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                future.exception(timeout=left)
+            except Exception:  # FutureTimeoutError, or cancelled: closing anyway
+                break
         with self._lock:
             self._closed = True
             channels = [ep.channel for ep in self._endpoints if ep.channel is not None]
@@ -579,6 +596,13 @@ _METHODS: dict[str, tuple[str, str]] = {
     "lease_grant": ("lease", "LeaseGrant"),
     "lease_revoke": ("lease", "LeaseRevoke"),
 }
+
+
+#: A read-only Txn whose attempt is given less than this fraction of ``request_timeout`` is
+#: left to finish when late (``Connection._txn_not_cancelled``).
+_SHORT = 0.9
+#: ``Connection.close`` waits at most this long (seconds) for such reads to finish.
+_DRAIN = 1.0
 
 
 def _read_only(request: Any) -> bool:

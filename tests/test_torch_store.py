@@ -430,7 +430,11 @@ def test_a_wait_whose_probe_etcd_timed_out_still_waits(tstore, etcd, prefix, mon
             fired.set()
             raise FakeRpcError(grpc.StatusCode.UNKNOWN, "context deadline exceeded")
 
-        timed_out_at_etcd.future = timed_out_at_etcd  # a read-only Txn's short wait
+        class _Failed:  # a read-only Txn's short wait goes through .future(...).result()
+            def result(self, timeout=None):
+                timed_out_at_etcd()
+
+        timed_out_at_etcd.future = lambda *args, **kwargs: _Failed()
         return timed_out_at_etcd
 
     monkeypatch.setattr(connection_module, "_rpc", rpc)
