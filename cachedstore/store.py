@@ -449,6 +449,16 @@ class EtcdStore:
         with self._timed("set"):
             self._writes.set(name, value)
 
+    def set_if_changed(self, name: Name, value: Value) -> bool:
+        """Write ``value`` under ``name`` unless it holds exactly that value already; return
+        whether it wrote. One etcd Txn either way (one raft proposal), but an unchanged
+        value makes no new revision and no watch event: when many processes publish the
+        same value (torch's barrier: every rank that sees the count complete sets
+        ``last_worker``), every watcher gets one event instead of one per writer. Same
+        guarantees, errors and thread-safety as :meth:`set`."""
+        with self._timed("set"):
+            return self._writes.set_if_changed(name, value)
+
     def mset(self, items: Mapping[Name, Value] | Iterable[tuple[Name, Value]]) -> None:
         """Write several keys: one etcd Txn per ``max_txn_ops`` keys (fewer when the values
         are large, to stay within etcd's request limit), each Txn atomic. A name given twice

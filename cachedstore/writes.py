@@ -93,6 +93,27 @@ class Writer:
         self._check_open()
         self._send("put", etcdapi.put(key, data), [(canonical, data)])
 
+    def set_if_changed(self, name: object, value: object) -> bool:
+        """Write ``value`` unless the key holds exactly it already: one Txn that compares
+        the value; equal, it only reads the key (no revision, no watch event); different
+        or absent, it puts. Returns whether it wrote."""
+        canonical, key = self._target(name)
+        data = _plain(value)
+        self._keys.check_size(key, data)
+        self._check_open()
+        request = etcdapi.txn([etcdapi.value_equals(key, data)],
+                              [etcdapi.op_range(etcdapi.range_key(key))],
+                              [etcdapi.op_put(etcdapi.put(key, data))])
+        ticket, response = self._sent("txn", [canonical], request, self._conn.deadline())
+        revision = response.header.revision
+        if not response.succeeded:
+            self._cache.end_write([(canonical, data)], ticket, revision)
+            return True
+        kvs = response.responses[0].response_range.kvs
+        seen = {canonical: (kvs[0].value, kvs[0].mod_revision)} if kvs else {}
+        self._cache.end_fill([canonical], ticket, seen, revision)
+        return False
+
     def mset(self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> None:
         pairs = items.items() if isinstance(items, Mapping) else items
         writes: dict[str, tuple[bytes, bytes]] = {}

@@ -445,3 +445,34 @@ def test_a_wait_whose_probe_etcd_timed_out_still_waits(tstore, etcd, prefix, mon
         assert fired.is_set() and tstore.get("late") == b"v"
     finally:
         other.close()
+
+
+def test_a_set_of_the_value_a_key_holds_makes_no_event(tstore, etcd, prefix):
+    """torch's store-based barrier has every rank that sees the count complete set
+    ``last_worker`` to the same value. Each such set after the first writes nothing: no
+    new revision, so no watch event to every waiting rank (W² events at worst, which
+    overloaded etcd in the W = 1,024 fan-out run). Fails with a plain put (version 17)."""
+    raw = raw_client(etcd)
+    others = [_another(etcd, prefix, timeout=timedelta(seconds=10)) for _ in range(3)]
+    try:
+        stores = [tstore, *others]
+        threads = [threading.Thread(target=lambda s=s: [s.set("k:last_worker", "1")
+                                                        for _ in range(4)],
+                                    name=f"setter-{i}") for i, s in enumerate(stores)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        value, meta = raw.get(prefix + "k:last_worker")
+        assert value == b"1" and meta.version == 1  # 16 sets, one write
+        for store in stores:
+            assert store.get("k:last_worker") == b"1"
+            store.wait(["k:last_worker"], timedelta(seconds=5))
+        tstore.set("k:last_worker", "2")  # a different value is written
+        assert raw.get(prefix + "k:last_worker")[1].version == 2
+        eventually(lambda: all(s.check(["k:last_worker"]) and s.get("k:last_worker") == b"2"
+                               for s in stores), what="every store to see the new value")
+    finally:
+        for store in others:
+            store.close()
+        raw.close()

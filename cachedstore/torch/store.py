@@ -312,9 +312,13 @@ class TorchEtcdStore(dist.Store):
 
     # -- the c10d Store interface ----------------------------------------------------------
     def set(self, key: str, value: bytes | str) -> None:
-        """Write ``value`` under ``key`` (one etcd put)."""
+        """Write ``value`` under ``key``: one etcd Txn that writes unless the key holds
+        that value already (``EtcdStore.set_if_changed``). Nothing torch can observe
+        differs, but torch's store-based barrier has every rank that sees the count
+        complete set ``last_worker``: that costs one watch event per waiting rank, not
+        one per waiting rank per setter (W² at worst)."""
         try:
-            self._etcd.set(self._name(key), value)
+            self._etcd.set_if_changed(self._name(key), value)
         except CachedStoreError as exc:
             raise _translate(exc, f"set {key!r}") from exc
 
