@@ -17,9 +17,11 @@ Two ways to ask, both answered by the member (or proxy) at the other end of the 
   ``stall_timeout``): one watch-stream message whenever the stream has been quiet for
   ``progress_interval``, as etcd's own clients do.
 
-The watcher PINGs only on a stream etcd itself answered (``Watcher._progress_answered``): the first
-check of a stream is a progress request, and a stream behind etcd's grpc-proxy (which would
-answer PINGs for etcd) keeps to progress requests.
+The watcher PINGs only on a stream etcd itself answered (``Watcher._progress_answered``,
+:attr:`Liveness.confirmed`): until then each check due on the PING schedule is a progress
+request (so a stream's first check comes after ``ping_interval`` of quiet, like a PING),
+and a stream behind etcd's grpc-proxy (which answers no progress request, and would answer
+PINGs for etcd) keeps to them.
 
 Progress requests are also sent, every ``progress_interval``, whenever the caller says a
 scope is *lagging* (replaying after a reconnect): their answers are what re-reads such a
@@ -70,14 +72,18 @@ class Liveness:
     answer them itself), and may change it between steps."""
 
     __slots__ = ("_progress_interval", "_stall_timeout", "_ping_interval", "pinging",
-                 "_next_tick", "_progress_sent", "_ping_sent")
+                 "confirmed", "_next_tick", "_progress_sent", "_ping_sent")
 
     def __init__(self, now: float, *, progress_interval: float, stall_timeout: float,
-                 ping_interval: float, pinging: bool) -> None:
+                 ping_interval: float, pinging: bool, confirmed: bool = True) -> None:
         self._progress_interval = progress_interval
         self._stall_timeout = stall_timeout
         self._ping_interval = ping_interval * _PING_MARGIN
         self.pinging = pinging
+        #: With ``pinging``: whether etcd itself answered the stream (a progress
+        #: response). Until then each check due on the PING schedule is a progress
+        #: request instead. The watcher starts a stream unconfirmed and updates this.
+        self.confirmed = confirmed
         #: Every ``progress_interval``: whether a scope lags is looked at then.
         self._next_tick = now + progress_interval
         #: When the last progress request was sent (the stream's start at first).
@@ -105,14 +111,15 @@ class Liveness:
         # it due, whatever the floating-point rounding of a difference would say.
         if now >= heard + self._stall_timeout:
             return Step(stalled=True)
-        ping = (self.pinging and self._ping_sent <= heard
-                and now >= heard + self._ping_interval)
-        if ping:
+        check = (self.pinging and self._ping_sent <= heard
+                 and now >= heard + self._ping_interval)
+        if check:
             self._ping_sent = now
+        ping = check and self.confirmed
         tick = now >= self._next_tick
         if tick:
             self._next_tick = now + self._progress_interval
-        progress = (tick and lagging) or (
+        progress = (tick and lagging) or (check and not self.confirmed) or (
             not self.pinging
             and now >= max(heard, self._progress_sent) + self._progress_interval)
         if progress:

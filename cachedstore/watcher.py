@@ -393,7 +393,8 @@ class Watcher:
             yield from creates()
             live = Liveness(clock.monotonic(), progress_interval=interval,
                             stall_timeout=config.stall_timeout,
-                            ping_interval=config.ping_interval, pinging=pinging)
+                            ping_interval=config.ping_interval, pinging=pinging,
+                            confirmed=False)
             next_auth = clock.monotonic() + auth_interval if auth_interval else None
             checked_token = self._conn.token
             while True:
@@ -409,7 +410,7 @@ class Watcher:
                     return
                 # etcd's grpc-proxy would answer PINGs itself, which says nothing of etcd:
                 # a stream PINGs only once etcd itself answered it (_progress_answered).
-                live.pinging = pinging and self._progress_answered
+                live.confirmed = self._progress_answered
                 step = live.step(clock.monotonic(), self._stream_contact, self._lagging())
                 if step.stalled:
                     if not self._progress_answered and self._probe(endpoint, interval):

@@ -68,6 +68,21 @@ def test_a_switch_to_progress_requests_between_steps_takes_effect():
     assert live.step(2.0, 0.0, lagging=False) == Step(progress=True)
 
 
+def test_an_unconfirmed_stream_checks_on_the_ping_schedule_with_a_progress_request():
+    """Before etcd answered it a progress request (a proxy never does), a stream that may
+    PING sends a progress request when a PING would be due, never sooner, not again
+    while it is outstanding; once answered, PINGs."""
+    live = Liveness(0.0, progress_interval=2.0, stall_timeout=8.0, ping_interval=5.0,
+                    pinging=True, confirmed=False)
+    assert live.next_wake(0.0) == 2.0  # the tick (lagging scopes)
+    assert live.step(2.0, 0.0, lagging=False) == Step()  # not after progress_interval
+    assert live.step(5.1, 0.0, lagging=False) == Step(progress=True)
+    assert live.step(6.0, 0.0, lagging=False) == Step()  # outstanding
+    live.confirmed = True  # answered at 5.2
+    assert live.next_wake(5.2) == 7.1  # the tick, then the PING at 10.3
+    assert live.step(10.3, 5.2, lagging=False) == Step(ping=True)
+
+
 def test_a_pinging_stream_asks_for_progress_only_while_a_scope_lags():
     live = _pinging()
     assert live.step(2.0, 1.9, lagging=True) == Step(progress=True)

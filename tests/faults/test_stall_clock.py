@@ -79,9 +79,9 @@ def test_stall_declared_exactly_past_the_bound_on_a_fake_clock(proxy: FaultProxy
         clock.wait_for_waiters(1)  # the watchdog, parked until its first wake-up
         assert cache.floor != NOT_SERVING
         if ping_interval:
-            # The stream's first check is a progress request: once etcd answered it, the
-            # stream PINGs (a proxy would not have answered).
-            clock.step(PROGRESS_INTERVAL)
+            # The stream's first check (a PING's time) is a progress request: once etcd
+            # answered it, the stream PINGs (a proxy would not have answered).
+            clock.step(PING_INTERVAL * 1.02)
             wait_until(lambda: watcher._progress_answered, 5, "the progress answer")
             clock.wait_for_waiters(1)
         started = clock.monotonic()  # the last contact (the progress answer, or the start)
