@@ -13,8 +13,8 @@ Two ways to ask, both answered by the member (or proxy) at the other end of the 
   after the last thing *heard*, which follows the previous PING's acknowledgement: etcd
   sees them at least ``ping_interval`` apart. The caller PINGs only when ``stall_timeout``
   leaves the answer half a ``ping_interval`` at least (:func:`pings_fit`).
-- **Progress request** (grpcio, or PINGs refused, or ``ping_interval`` not below
-  ``stall_timeout``): one watch-stream message whenever the stream has been quiet for
+- **Progress request** (grpcio, PINGs refused, or PINGs that do not fit ``stall_timeout``:
+  :func:`pings_fit`): one watch-stream message whenever the stream has been quiet for
   ``progress_interval``, as etcd's own clients do.
 
 The watcher PINGs only on a stream etcd itself answered (``Watcher._progress_answered``,
@@ -68,10 +68,10 @@ class Liveness:
     """The liveness schedule of one stream, begun at ``now`` (its start counts as heard).
 
     ``pinging``: PINGs instead of progress requests (see the module docstring); the caller
-    decides (transport, configuration, whether etcd refused them, whether a proxy would
-    answer them itself), and may change it between steps."""
+    decides (transport, configuration, whether etcd refused them). ``confirmed``: see the
+    attribute."""
 
-    __slots__ = ("_progress_interval", "_stall_timeout", "_ping_interval", "pinging",
+    __slots__ = ("_progress_interval", "_stall_timeout", "_ping_interval", "_pinging",
                  "confirmed", "_next_tick", "_progress_sent", "_ping_sent")
 
     def __init__(self, now: float, *, progress_interval: float, stall_timeout: float,
@@ -79,7 +79,7 @@ class Liveness:
         self._progress_interval = progress_interval
         self._stall_timeout = stall_timeout
         self._ping_interval = ping_interval * _PING_MARGIN
-        self.pinging = pinging
+        self._pinging = pinging
         #: With ``pinging``: whether etcd itself answered the stream (a progress
         #: response). Until then each check due on the PING schedule is a progress
         #: request instead. The watcher starts a stream unconfirmed and updates this.
@@ -96,7 +96,7 @@ class Liveness:
         """The clock time of the next wake-up (always later than the last :meth:`step`),
         given the time anything was last heard."""
         wake = min(heard + self._stall_timeout, self._next_tick)
-        if not self.pinging:
+        if not self._pinging:
             return min(wake, max(heard, self._progress_sent) + self._progress_interval)
         if self._ping_sent <= heard:
             return min(wake, heard + self._ping_interval)
@@ -111,7 +111,7 @@ class Liveness:
         # it due, whatever the floating-point rounding of a difference would say.
         if now >= heard + self._stall_timeout:
             return Step(stalled=True)
-        check = (self.pinging and self._ping_sent <= heard
+        check = (self._pinging and self._ping_sent <= heard
                  and now >= heard + self._ping_interval)
         if check:
             self._ping_sent = now
@@ -120,7 +120,7 @@ class Liveness:
         if tick:
             self._next_tick = now + self._progress_interval
         progress = (tick and lagging) or (check and not self.confirmed) or (
-            not self.pinging
+            not self._pinging
             and now >= max(heard, self._progress_sent) + self._progress_interval)
         if progress:
             self._progress_sent = now

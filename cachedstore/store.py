@@ -155,8 +155,9 @@ class EtcdStore:
             cache_size=cache_size, timeout=timeout, request_timeout=request_timeout,
             connect_timeout=connect_timeout, stall_timeout=stall_timeout,
             progress_interval=progress_interval, ping_interval=ping_interval,
-            max_staleness=max_staleness, max_txn_ops=max_txn_ops, max_request_bytes=max_request_bytes,
-            preload_limit=preload_limit, watch_scope=watch_scope, max_watches=max_watches,
+            max_staleness=max_staleness, max_txn_ops=max_txn_ops,
+            max_request_bytes=max_request_bytes, preload_limit=preload_limit,
+            watch_scope=watch_scope, max_watches=max_watches,
             watch_transport=watch_transport, watch_pacing=watch_pacing)
         self._config = cfg
         self._clock = clock

@@ -60,12 +60,17 @@ def test_pings_are_used_only_if_the_stall_timeout_leaves_time_for_the_answer():
     assert pings_fit(0.5, 1.5)
 
 
-def test_a_switch_to_progress_requests_between_steps_takes_effect():
-    """A stream found to go through grpc-proxy stops PINGing (the proxy would answer)."""
-    live = _pinging()
-    live.pinging = False
-    assert live.next_wake(0.0) == 2.0
-    assert live.step(2.0, 0.0, lagging=False) == Step(progress=True)
+def test_a_stream_never_confirmed_never_pings():
+    """Behind grpc-proxy no progress request is answered (and the proxy would answer
+    PINGs for etcd): each check is a progress request, one outstanding at a time, until
+    the stall; after the watcher's unary probe (counted as heard), the next one again."""
+    live = Liveness(0.0, progress_interval=2.0, stall_timeout=8.0, ping_interval=5.0,
+                    pinging=True, confirmed=False)
+    assert live.step(5.1, 0.0, lagging=False) == Step(progress=True)
+    assert live.step(7.9, 0.0, lagging=False) == Step()  # outstanding
+    assert live.step(8.0, 0.0, lagging=False) == Step(stalled=True)
+    assert live.next_wake(8.2) == 9.9  # the tick; the next check at 13.3
+    assert live.step(13.3, 8.2, lagging=False) == Step(progress=True)
 
 
 def test_an_unconfirmed_stream_checks_on_the_ping_schedule_with_a_progress_request():
