@@ -29,7 +29,7 @@ from .errors import (
 )
 from .exposition import start_metrics_server
 from .queues import QueueEmptyError
-from .store import MISSING, EtcdStore, Versioned
+from .store import MISSING, EtcdStore, Snapshot, Versioned
 
 __version__ = "0.1.0"
 
@@ -49,6 +49,7 @@ __all__ = [
     "LeaseNotFoundError",
     "NotAnIntegerError",
     "QueueEmptyError",
+    "Snapshot",
     "StoreClosedError",
     "StoreConfig",
     "StoreForkedError",

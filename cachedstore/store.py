@@ -21,7 +21,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from . import queues
+from . import guarded, queues
 from .aio import AsyncFront
 from .cache import NOT_SERVING, CoherentCache
 from .clock import SYSTEM_CLOCK, Clock
@@ -35,6 +35,7 @@ from .errors import (
     StoreClosedError,
     StoreForkedError,
 )
+from .guarded import Snapshot
 from .keys import KeySpace
 from .metrics import make_metrics
 from .opener import ScopeOpener
@@ -43,7 +44,7 @@ from .scoping import locate
 from .watcher import Watcher, snapshot
 from .writes import Versioned, Writer
 
-__all__ = ["MISSING", "EtcdStore", "Versioned"]
+__all__ = ["MISSING", "EtcdStore", "Snapshot", "Versioned"]
 
 Name = str | bytes
 Value = str | bytes
@@ -563,6 +564,35 @@ class EtcdStore:
         (EtcdConnectionError then says the outcome is unknown). LeaseNotFoundError if the
         lease expired. Blocks for the round trip. Thread-safe, atomic across processes."""
         return self._writes.put_if(name, value, mod_revision, lease)
+
+    def read_many(self, names: Iterable[Name] = (), prefixes: Iterable[Name] = ()
+                  ) -> Snapshot:
+        """The keys ``names`` and every key whose name starts with one of ``prefixes``,
+        read from etcd at one revision (linearizable, never from the cache, and not filling
+        it): one read-only Txn. Returns a :class:`Snapshot` (revision, name → Versioned).
+        A counter is folded into its decimal first, as :meth:`read` does.
+        InvalidInputError for a bad name or more ranges than a Txn takes (``max_txn_ops``).
+        Blocks for the round trip. Thread-safe."""
+        return guarded.read_many(self._writes, names, prefixes)
+
+    def put_many_if(self, expect: Mapping[str, int] | Mapping[bytes, int],
+                    puts: Mapping[str, Value] | Mapping[bytes, Value],
+                    deletes: Iterable[Name] = (), *, lease: int = 0,
+                    names: Iterable[Name] = (), prefixes: Iterable[Name] = ()
+                    ) -> tuple[bool, Snapshot]:
+        """:meth:`put_if` over several keys: if every key of ``expect`` was last modified
+        at the revision given (0: absent), put ``puts`` (attached to ``lease`` if
+        non-zero), delete ``deletes``, then read ``names`` and ``prefixes``; otherwise only
+        read them. One Txn, atomic across processes.
+
+        Returns ``(True, the Snapshot after the writes)`` or ``(False, the Snapshot)``. Not
+        re-sent once it may have reached etcd (EtcdConnectionError: outcome unknown).
+        InvalidInputError for a bad name, a name both put and deleted, or more operations
+        or bytes than one Txn takes; InvalidTypeError for a revision or lease that is not an
+        int ≥ 0; LeaseNotFoundError if the lease expired. Blocks for the round trip.
+        Thread-safe."""
+        return guarded.put_many_if(self._writes, expect, puts, deletes, lease=lease,
+                                   names=names, prefixes=prefixes)
 
     def grant_lease(self, ttl: float) -> int:
         """A new etcd lease of ``ttl`` seconds (rounded up to whole seconds, at least 1);

@@ -25,9 +25,13 @@ sequences follow torch 2.13's sources:
 - ``heartbeat`` / ``heartbeat_uncached`` -- the NCCL heartbeat monitor's
   ``check(["exception_dump"])`` on the global store, once per simulated second (the second
   variant's stores are built with ``preload_limit=0``: their cache is not complete);
-- ``keepalive`` -- torchrun's rendezvous keep-alive: one agent per 8 ranks, each
-  ``compare_set``s the one state key every 5 simulated seconds (agents staggered over the 5
-  seconds); a lost race adopts the returned state and retries, like torch's state holder.
+- ``keepalive`` -- torchrun's rendezvous keep-alive: one agent per 8 ranks, each keeping
+  alive every 5 simulated seconds (agents staggered over the 5 seconds) through torch's
+  own ``_BackendRendezvousStateHolder`` on the rendezvous backend torchrun would use: our
+  ``etcd-v3`` (``EtcdV3RendezvousBackend``: heartbeat keys) or torch's ``c10d`` backend
+  on TCPStore (``compare_set`` of one state key; a lost race re-reads and retries).
+  Set up unmeasured: agent 0 creates a complete round of every agent, then every agent
+  keeps alive once.
 
 A pattern is a number of *steps*; all ranks run a step concurrently, and steps are separated
 by a job-wide barrier of the simulator (not of the store). Simulated seconds are steps.
@@ -35,14 +39,22 @@ by a job-wide barrier of the simulator (not of the store). Simulated seconds are
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    RendezvousSettings,
+    RendezvousTimeout,
+    _BackendRendezvousStateHolder,
+    _NodeDesc,
+)
+
+from cachedstore.torch import EtcdV3RendezvousBackend
 
 __all__ = ["PATTERNS", "Pattern", "RankContext", "megatron_groups", "nccl_root_index"]
 
@@ -86,6 +98,9 @@ class Pattern:
     step: Callable[[RankContext, int], None]
     steps: Callable[[int], int] = lambda world: 1
     store_options: Mapping[str, Any] = field(default_factory=dict)
+    #: Run as steps ``-setup_steps`` .. ``-1`` after connecting, before measuring.
+    setup: Callable[[RankContext, int], None] | None = None
+    setup_steps: int = 0
 
 
 # --------------------------------------------------------------------------- NCCL ids
@@ -215,25 +230,72 @@ def _heartbeat(ctx: RankContext, step: int) -> None:
         raise AssertionError("nobody set exception_dump")
 
 
+def _agent_holder(ctx: RankContext) -> Any:
+    """This agent's torch rendezvous state holder, on the rendezvous backend torchrun would
+    use with this rank's store: ``etcd-v3`` (ours) or ``c10d`` (torch's, on TCPStore)."""
+    if "holder" not in ctx.scratch:
+        if ctx.etcd_store is not None:
+            backend: Any = EtcdV3RendezvousBackend(ctx.etcd_store, "fanout")
+        else:
+            backend = C10dRendezvousBackend(ctx.store, "fanout")
+        # Nobody is declared dead during the run: steady state, no membership change.
+        settings = RendezvousSettings(
+            run_id="fanout", min_nodes=1, max_nodes=ctx.world,
+            timeout=RendezvousTimeout(),
+            keep_alive_interval=timedelta(seconds=KEEPALIVE_PERIOD),
+            keep_alive_max_attempt=1_000_000)
+        # cache_duration=0: keep-alives are 5 s apart, past torch's 1 s state cache.
+        ctx.scratch["holder"] = _BackendRendezvousStateHolder(backend, settings,
+                                                              cache_duration=0)
+    return ctx.scratch["holder"]
+
+
+def _agent_node(agent: int) -> Any:
+    return _NodeDesc(f"node-{agent}", 1000 + agent, 0)
+
+
+def _agent_keep_alive(ctx: RankContext, holder: Any, node: Any) -> int:
+    """torch's ``_RendezvousKeepAliveOp`` as its op executor runs it: a sync (a read),
+    then set the heartbeat and sync (a write) until the write lands; a lost write returned
+    a newer state, in which this node's heartbeat is old again. Returns the writes."""
+    holder.sync()
+    for attempt in range(1, MAX_CAS_ATTEMPTS + 1):
+        holder.state.last_heartbeats[node] = datetime.now(timezone.utc)
+        holder.mark_dirty()
+        if holder.sync():
+            return attempt
+    raise AssertionError(f"rank {ctx.rank}: keep-alive lost {MAX_CAS_ATTEMPTS} times")
+
+
+def _keepalive_setup(ctx: RankContext, step: int) -> None:
+    """Step -2: agent 0 creates a complete round of every agent. Step -1: every agent
+    keeps alive once (it takes its lease; torch's agents did so when they joined)."""
+    if ctx.rank % RANKS_PER_NODE:
+        return
+    agent = ctx.rank // RANKS_PER_NODE
+    holder = _agent_holder(ctx)
+    if step == -2 and agent == 0:
+        holder.sync()
+        now = datetime.now(timezone.utc)
+        for a in range(math.ceil(ctx.world / RANKS_PER_NODE)):
+            holder.state.participants[_agent_node(a)] = a
+            holder.state.last_heartbeats[_agent_node(a)] = now
+        holder.state.round, holder.state.complete = 1, True
+        holder.mark_dirty()
+        if not holder.sync():
+            raise AssertionError("agent 0 could not create the rendezvous state")
+    elif step == -1:
+        _agent_keep_alive(ctx, holder, _agent_node(agent))
+
+
 def _keepalive(ctx: RankContext, step: int) -> None:
     if ctx.rank % RANKS_PER_NODE:
         return  # one agent per node
     agent = ctx.rank // RANKS_PER_NODE
     if step % KEEPALIVE_PERIOD != agent % KEEPALIVE_PERIOD:
         return
-    key = "torch.rendezvous.fanout"
-    known: bytes = ctx.scratch.get("state", b"")
-    for _attempt in range(MAX_CAS_ATTEMPTS):
-        state = json.loads(known) if known else {"round": 0, "last_heartbeats": {}}
-        state["last_heartbeats"][str(agent)] = step
-        desired = json.dumps(state, sort_keys=True).encode()
-        got = bytes(ctx.store.compare_set(key, known, desired))
-        if got == desired:
-            ctx.scratch["state"] = desired
-            ctx.scratch["cas_attempts"] = ctx.scratch.get("cas_attempts", 0) + _attempt + 1
-            return
-        known = got
-    raise AssertionError(f"agent {agent}: keep-alive CAS lost {MAX_CAS_ATTEMPTS} times")
+    writes = _agent_keep_alive(ctx, _agent_holder(ctx), _agent_node(agent))
+    ctx.scratch["cas_attempts"] = ctx.scratch.get("cas_attempts", 0) + writes
 
 
 PATTERNS: dict[str, Pattern] = {p.name: p for p in (
@@ -249,6 +311,7 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
             f"heartbeat check, {HEARTBEAT_SECONDS} simulated s, preload_limit=0",
             _heartbeat, steps=lambda world: HEARTBEAT_SECONDS,
             store_options={"preload_limit": 0}),
-    Pattern("keepalive", f"rendezvous keep-alive CAS, {KEEPALIVE_SECONDS} simulated s",
-            _keepalive, steps=lambda world: KEEPALIVE_SECONDS),
+    Pattern("keepalive", f"rendezvous keep-alive, {KEEPALIVE_SECONDS} simulated s",
+            _keepalive, steps=lambda world: KEEPALIVE_SECONDS, setup=_keepalive_setup,
+            setup_steps=2),
 )}

@@ -198,6 +198,12 @@ def run_pattern(pattern: str, world: int, etcd_endpoint: str | None = None,
         s0 = measure() if measure else None
         t = time.perf_counter()
         _call_all(workers, "connect", timeout=CONNECT_TIMEOUT)
+        setup = PATTERNS[pattern].setup_steps
+        for step in range(-setup, 0):  # unmeasured (counted with the connection)
+            for reply in _call_all(workers, "run_step", step, time.monotonic() + budget,
+                                   timeout=budget + 60):
+                if reply["errors"]:
+                    raise RuntimeError(f"{pattern} setup step {step}: {reply['errors']}")
         connect_s = time.perf_counter() - t
         s1 = None
         live1: dict[str, float] = {}

@@ -99,14 +99,19 @@ class RankGroup:
         return len(self._ctx)
 
     def run_step(self, step: int, deadline: float) -> dict[str, Any]:
-        """Run ``step`` on every rank concurrently; see the module docstring for bounds.
+        """Run ``step`` on every rank concurrently (a negative step: the pattern's setup);
+        see the module docstring for bounds.
 
         Returns ``{"errors": [...], "unfinished": n, "extras": {...}}``.
         """
         if self._pool is None or self.aborted:
             return {"errors": ["group not connected or aborted"], "unfinished": len(self.ranks),
                     "extras": {}}
-        futures = [self._pool.submit(self.pattern.step, ctx, step) for ctx in self._ctx]
+        run = self.pattern.step if step >= 0 else self.pattern.setup
+        if run is None:
+            return {"errors": [f"pattern {self.pattern.name} has no setup step {step}"],
+                    "unfinished": len(self.ranks), "extras": {}}
+        futures = [self._pool.submit(run, ctx, step) for ctx in self._ctx]
         done, pending = cf.wait(futures, timeout=max(0.0, deadline - time.monotonic()))
         errors: list[str] = []
         if pending:

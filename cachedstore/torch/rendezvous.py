@@ -11,21 +11,26 @@ Keys of a run, under ``<prefix><run_id>/`` (one :class:`~cachedstore.EtcdStore` 
 - ``state``: torch's rendezvous state, behind a header naming the rendezvous *instance*
   (a random id drawn when the key is created). It sits on a lease and disappears
   ``ttl`` to ``1.5 × ttl`` after its last write.
+- ``heartbeats/<instance>/<node>``: each node's last keep-alive (JSON, see
+  :mod:`cachedstore.torch.heartbeats`), on the same lease; merged into the state torch
+  reads, so that keep-alives never race each other on ``state``.
 - ``store/<instance>/...``: the keys of the store torch hands to the agents and workers.
   A rerun with the same ``--rdzv-id`` after the state expired creates a new instance, so
   it never reads the previous run's ``MASTER_ADDR``/``MASTER_PORT`` (etcd keeps the old
   instance's keys until someone deletes them: ``etcdctl del --prefix <prefix><run_id>/``).
 
-The backend uses the store's public CAS and lease API (``read``, ``put_if``,
-``grant_lease``).
+The backend uses the store's public multi-key and lease API (``read_many``,
+``put_many_if``, ``grant_lease``).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import pickle
 import secrets
 import threading
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (
@@ -43,7 +48,8 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from ..clock import SYSTEM_CLOCK, Clock
 from ..errors import CachedStoreError, EtcdConnectionError, LeaseNotFoundError
-from ..store import EtcdStore, Versioned
+from ..store import EtcdStore, Snapshot, Versioned
+from . import heartbeats
 from .store import PASSWORD_ENV, TorchEtcdStore, _Shared, read_password
 
 __all__ = [
@@ -70,6 +76,12 @@ LIMITS: dict[str, tuple[float | None, float]] = {
     "read_timeout": (None, 3600.0),
     "connect_timeout": (None, 3600.0),
 }
+#: How many handed-out states (tokens) a backend remembers.
+_VIEWS = 16
+#: At most this many dropped nodes are guarded (and heartbeat keys put) in one Txn, and
+#: this many dropped nodes' heartbeat keys deleted (etcd takes 128 operations per Txn).
+_GUARDED_DROPS = 100
+_DELETED_DROPS = 60
 #: torch's default ``keep_alive_interval`` (seconds): ``ttl`` must be at least twice it.
 _KEEP_ALIVE_DEFAULT = 5.0
 
@@ -86,19 +98,55 @@ def _decode(value: bytes) -> tuple[str, bytes]:
     return "foreign", value
 
 
+class _View:
+    """A state the backend handed torch, under the token it handed with it: the state key
+    at ``token[0]`` merged with the run's heartbeat keys as of revision ``token[1]``."""
+
+    __slots__ = ("instance", "token", "raw", "bits", "state", "beats")
+
+    def __init__(self, instance: str, token: tuple[int, int], raw: bytes, bits: bytes,
+                 state: Any | None, beats: dict[str, int]) -> None:
+        self.instance = instance
+        self.token = token
+        #: The state key's stored value.
+        self.raw = raw
+        #: torch's bytes, heartbeat keys merged in (what torch got).
+        self.bits = bits
+        #: ``bits`` unpickled, None when the backend does not understand them (opaque).
+        self.state = state
+        #: node name → mod_revision of its heartbeat key at ``token[1]`` (empty when the
+        #: keys were not read: then none is assumed to exist, which only makes guards fail).
+        self.beats = beats
+
+
 class EtcdV3RendezvousBackend(RendezvousBackend):
     """A ``RendezvousBackend`` for torch's ``DynamicRendezvousHandler`` on etcd v3.
 
     The state lives in the key ``state`` of ``store`` (whose prefix is the run's,
-    ``<prefix><run_id>/``). ``set_state`` is one ``put_if``: compare the key's
-    ``mod_revision`` with the fencing token (or its absence when there is no token), put
-    on success, return the current value on failure. The token is the ``mod_revision``.
-    The key is attached to a lease, so an abandoned rendezvous disappears: it expires
-    between ``ttl`` and ``1.5 × ttl`` after the last write (a backend reuses one lease of
-    ``1.5 × ttl`` for ``ttl / 2``, so that a heartbeat every few seconds does not create a
-    lease each time). ``ttl`` defaults to two hours, like torch's etcd backend.
+    ``<prefix><run_id>/``), and each node's keep-alive time in a key of its own
+    (``heartbeats/<instance>/<node>``, see :mod:`cachedstore.torch.heartbeats`), so that
+    keep-alives do not race each other:
 
-    The stored value carries the rendezvous instance (see the module docstring);
+    - ``get_state`` is one read-only Txn: the state key and the heartbeat keys, merged
+      (each node's later time).
+    - ``set_state`` of a state that differs from the one handed out with ``token`` only in
+      heartbeat times (a keep-alive) puts the changed nodes' heartbeat keys, if the state
+      key is still at the token's ``mod_revision``: one Txn that no other keep-alive can
+      make fail.
+    - Any other change is a compare-and-swap of the state key on that ``mod_revision``,
+      which also fails if a node the change drops (torch drops a node whose heartbeat is
+      old) heartbeat since the token was read, and which deletes the dropped nodes'
+      heartbeat keys.
+
+    Either write returns the state read back in the same Txn, with a new token. A token is
+    ``(state key's mod_revision, revision read at)``; one the backend did not hand out
+    recently (it keeps the last 16) costs a read first. The keys are attached to a
+    lease, so an abandoned rendezvous disappears: they expire between ``ttl`` and
+    ``1.5 × ttl`` after the last write (a backend reuses one lease of ``1.5 × ttl`` for
+    ``ttl / 2``, so that a heartbeat every few seconds does not create a lease each time).
+    ``ttl`` defaults to two hours, like torch's etcd backend.
+
+    The stored state carries the rendezvous instance (see the module docstring);
     :attr:`instance` is the one of the state last read or written, the scope of the run's
     store.
 
@@ -128,7 +176,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         self._lease_id = 0
         self._lease_renew_at = 0.0
         self._instance: str | None = None
-        self._instances: dict[int, str] = {}  # token -> instance, for recent tokens
+        self._views: dict[tuple[int, int], _View] = {}  # the last _VIEWS handed out
 
     @property
     def name(self) -> str:
@@ -157,60 +205,124 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
                 f"etcd-v3 rendezvous {self._run_id!r}: the store is used before a rendezvous")
         return f"store/{instance}/"
 
-    def _seen(self, versioned: Versioned) -> tuple[bytes, int]:
-        instance, state = _decode(versioned.value)
+    # -- reading ------------------------------------------------------------------------
+    def _remember(self, found: Versioned, snap: Snapshot, beats_read: bool) -> _View:
+        """The view of a snapshot holding the state key (and, if ``beats_read``, the
+        heartbeat keys of its instance); kept for its token."""
+        instance, bits = _decode(found.value)
+        state = heartbeats.decode(bits)
+        beats: dict[str, int] = {}
+        if state is not None and beats_read:
+            prefix = f"{heartbeats.HEARTBEATS}{instance}/"
+            times = {}
+            for name, versioned in snap.found.items():
+                if name.startswith(prefix):
+                    node = name[len(prefix):]
+                    beats[node] = versioned.mod_revision
+                    at = heartbeats.parse_heartbeat(versioned.value)
+                    if at is not None:
+                        times[node] = at
+            if heartbeats.merge(state, times):
+                bits = pickle.dumps(state)
+        view = _View(instance, (found.mod_revision, snap.revision), bytes(found.value), bits,
+                     state, beats)
         with self._lock:
             self._instance = instance
-            self._instances[versioned.mod_revision] = instance
-            while len(self._instances) > 16:
-                del self._instances[next(iter(self._instances))]
-        return state, versioned.mod_revision
+            self._views[view.token] = view
+            while len(self._views) > _VIEWS:
+                del self._views[next(iter(self._views))]
+        return view
 
-    def _read(self) -> Versioned | None:
-        try:
-            return self._store.read(STATE)
-        except CachedStoreError as exc:
-            raise RendezvousConnectionError(
-                f"etcd-v3 rendezvous: reading {self.key!r} failed: {exc}") from exc
+    def _read_view(self) -> _View | None:
+        """The current state and heartbeat keys: one read-only Txn (two when the instance
+        changed since the last one)."""
+        guess = self._instance
+        for attempt in range(3):
+            prefixes = [f"{heartbeats.HEARTBEATS}{guess}/"] if guess is not None else []
+            try:
+                snap = self._store.read_many([STATE], prefixes)
+            except CachedStoreError as exc:
+                raise RendezvousConnectionError(
+                    f"etcd-v3 rendezvous: reading {self.key!r} failed: {exc}") from exc
+            found = snap.found.get(STATE)
+            if found is None:
+                return None
+            instance = _decode(found.value)[0]
+            if instance == guess or attempt == 2:
+                return self._remember(found, snap, beats_read=instance == guess)
+            guess = instance
+        raise AssertionError("unreachable")
 
     def get_state(self) -> tuple[bytes, Token] | None:
-        """The state and its token (``mod_revision``), or None; one linearizable read."""
-        current = self._read()
-        return None if current is None else self._seen(current)
+        """The state (heartbeat keys merged) and its token, or None; one read-only Txn."""
+        view = self._read_view()
+        return None if view is None else (view.bits, view.token)
 
+    # -- writing ------------------------------------------------------------------------
     def set_state(self, state: bytes, token: Token | None = None
                   ) -> tuple[bytes, Token, bool] | None:
-        """Write ``state`` if the stored token is still ``token`` (absent when None); return
-        (state, token, True) on success, else the stored (state, token, False), or None if
-        there is no state. One Txn (plus a lease grant every ``ttl / 2``)."""
-        revision = 0
-        if token is not None:
-            try:
-                revision = int(token)
-            except (TypeError, ValueError):
-                revision = -1
-            if revision <= 0:
-                latest = self.get_state()
-                return None if latest is None else (*latest, False)
-        if revision:
-            with self._lock:
-                instance = self._instances.get(revision)
-            if instance is None:  # a token we did not hand out: is it still current?
-                current = self._read()
-                if current is None:
-                    return None
-                if current.mod_revision != revision:
-                    return (*self._seen(current), False)
-                instance = _decode(current.value)[0]
-        else:
-            instance = secrets.token_hex(16)  # a new rendezvous instance
+        """Write ``state`` if the stored state is still the one handed out with ``token``
+        (absent when None); return (state, token, True) on success, else the stored
+        (state, token, False), or None if there is no state. One Txn (plus a lease grant
+        every ``ttl / 2``)."""
         state = bytes(state)
-        value = _encode(instance, state)
+        if token is None:
+            instance = secrets.token_hex(16)  # a new rendezvous instance
+            return self._write(instance, {STATE: 0}, {STATE: _encode(instance, state)}, [])
+        if not (isinstance(token, tuple) and len(token) == 2
+                and all(type(n) is int for n in token)):
+            latest = self._read_view()  # not a token: answered as a stale one
+            return None if latest is None else (latest.bits, latest.token, False)
+        with self._lock:
+            view = self._views.get(token)
+        if view is None:  # not handed out here (recently): is it still current?
+            view = self._read_view()
+            if view is None:
+                return None
+            if view.token[0] != token[0]:
+                return view.bits, view.token, False
+        horizon = token[1]  # the revision the writer's view was read at
+        expect: dict[str, int] = {STATE: view.token[0]}
+        puts: dict[str, bytes] = {}
+        deletes: list[str] = []
+        old = view.state
+        new = heartbeats.decode(state) if old is not None else None
+        if new is not None and old is not None and heartbeats.structure(new) == heartbeats.structure(old):
+            # A keep-alive: only heartbeat times moved. Guarded by the state key alone.
+            for node, at in new.last_heartbeats.items():
+                if at > old.last_heartbeats[node]:
+                    puts[heartbeats.heartbeat_key(view.instance, node)] = \
+                        heartbeats.heartbeat_value(node, at)
+            if len(puts) > _GUARDED_DROPS:  # not a keep-alive torch makes: write it whole
+                puts = {STATE: _encode(view.instance, state)}
+        else:
+            puts[STATE] = _encode(view.instance, state)
+            if new is not None and old is not None:
+                # Nodes this change drops (dead in the writer's view): it fails if one of
+                # them heartbeat since the token was read. The newest first, if too many.
+                dropped = sorted((n for n in old.last_heartbeats
+                                  if n not in new.last_heartbeats),
+                                 key=lambda n: old.last_heartbeats[n], reverse=True)
+                for node in dropped[:_GUARDED_DROPS]:
+                    name = heartbeats.node_name(node)
+                    key = heartbeats.heartbeat_key(view.instance, node)
+                    expect[key] = view.beats.get(name, 0)
+                    if expect[key] > horizon:  # it heartbeat after the writer's read
+                        return view.bits, view.token, False
+                    if name in view.beats and len(deletes) < _DELETED_DROPS:
+                        deletes.append(key)
+        return self._write(view.instance, expect, puts, deletes)
+
+    def _write(self, instance: str, expect: dict[str, int], puts: dict[str, bytes],
+               deletes: list[str]) -> tuple[bytes, Token, bool] | None:
+        """One guarded Txn, reading back the state and the heartbeat keys of
+        ``instance``."""
+        prefixes = [f"{heartbeats.HEARTBEATS}{instance}/"]
         for attempt in range(2):
-            lease = self._lease()
+            lease = self._lease() if puts else 0
             try:
-                ok, found = self._store.put_if(STATE, value, mod_revision=revision,
-                                               lease=lease)
+                ok, snap = self._store.put_many_if(expect, puts, deletes, lease=lease,
+                                                   names=[STATE], prefixes=prefixes)
             except LeaseNotFoundError:
                 if attempt == 0:
                     self._forget_lease(lease)  # expired or revoked under us: take a new one
@@ -218,30 +330,40 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
                 raise RendezvousStateError(
                     "etcd-v3 rendezvous: the state key's lease keeps vanishing") from None
             except EtcdConnectionError as exc:
-                return self._after_unknown_outcome(value, exc)
+                return self._after_unknown_outcome(expect, puts, exc)
             except CachedStoreError as exc:
                 raise RendezvousConnectionError(
                     f"etcd-v3 rendezvous: writing {self.key!r} failed: {exc}") from exc
+            found = snap.found.get(STATE)
             if found is None:
                 return None
-            got, new_token = self._seen(found)
-            return got, new_token, ok
+            if _decode(found.value)[0] != instance:  # replaced by another instance
+                view = self._read_view()
+                return None if view is None else (view.bits, view.token, False)
+            view = self._remember(found, snap, beats_read=True)
+            return view.bits, view.token, ok
         raise RendezvousStateError("etcd-v3 rendezvous: the state key's lease keeps vanishing")
 
-    def _after_unknown_outcome(self, value: bytes, exc: Exception
-                               ) -> tuple[bytes, Token, bool] | None:
-        """The Txn may or may not have been applied: read the key and decide. The state
-        carries per-node heartbeat times (and the instance), so equal bytes mean our write
+    def _after_unknown_outcome(self, expect: dict[str, int], puts: dict[str, bytes],
+                               exc: Exception) -> tuple[bytes, Token, bool] | None:
+        """The Txn may or may not have been applied: read the keys and decide. The values
+        written carry the instance and microsecond times, so equal bytes mean our write
         landed."""
         try:
-            current = self._read()
-        except RendezvousConnectionError:
+            view = self._read_view()
+            landed = self._store.read_many([n for n in puts if n != STATE] or [STATE]).found
+        except (RendezvousConnectionError, CachedStoreError):
             raise RendezvousConnectionError(
                 f"etcd-v3 rendezvous: writing {self.key!r} failed: {exc}") from exc
-        if current is None:
+        if view is None:
             return None
-        state, token = self._seen(current)
-        return state, token, current.value == value
+        if STATE in puts:
+            ok = view.raw == puts[STATE]
+        elif puts:
+            ok = all(n in landed and landed[n].value == data for n, data in puts.items())
+        else:
+            ok = view.token[0] == expect[STATE]
+        return view.bits, view.token, ok
 
     def _lease(self) -> int:
         """A lease id to attach the state to, granted anew every ``ttl / 2``."""

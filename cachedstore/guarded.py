@@ -1,0 +1,177 @@
+"""Snapshots of several keys and guarded writes of several keys: one etcd Txn each.
+
+``put_if`` and ``read`` work on one key. Some protocols keep their state in several keys
+and need the same guarantees across them: torchrun's rendezvous backend keeps each agent's
+heartbeat in a key of its own, so that agents do not race a compare-and-swap on one state
+key every few seconds (``torch/rendezvous.py``). This module gives them
+
+- :func:`read_many`: a linearizable snapshot of some keys and key ranges, all at one
+  revision (one read-only Txn: no raft proposal);
+- :func:`put_many_if`: puts and deletes applied only if every key in ``expect`` still has
+  the ``mod_revision`` given (0: absent), and in the same Txn a snapshot read after them
+  (on success) or instead of them (on failure).
+
+Neither is answered from the cache, and a snapshot does not fill it: its names are not
+known before it is read, so the in-flight gate of ``cache.py`` cannot cover them (like
+``list_keys``). The writes follow the gate: registered before the Txn is sent, recorded
+with the revision etcd assigned, abandoned when the guard fails or no answer came.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+from . import counters, etcdapi
+from .errors import InvalidInputError, InvalidTypeError
+from .keys import REQUEST_OVERHEAD, prefix_range_end, to_value
+from .writes import Versioned, Writer
+
+__all__ = ["Snapshot", "put_many_if", "read_many"]
+
+#: How often a snapshot that found a counter is read again after folding it.
+_FOLD_ATTEMPTS = 3
+
+
+class Snapshot(NamedTuple):
+    """Keys read at one etcd revision."""
+
+    #: The revision the reads saw (etcd's header revision of the Txn).
+    revision: int
+    #: Canonical name → value and metadata of every key found, in etcd's key order.
+    found: dict[str, Versioned]
+
+
+class _Reads:
+    """The range operations of a snapshot and how to turn their answers into names."""
+
+    def __init__(self, writer: Writer, names: Iterable[object],
+                 prefixes: Iterable[object]) -> None:
+        keys = writer._keys
+        self.ops: list[Any] = []
+        seen: set[str] = set()
+        for name in names:
+            canonical = keys.canonical(name)
+            if canonical not in seen:
+                seen.add(canonical)
+                self.ops.append(etcdapi.op_range(etcdapi.range_key(keys.key(canonical))))
+        for prefix in prefixes:
+            start = keys.key(keys.canonical(prefix))  # non-empty, not reserved
+            self.ops.append(etcdapi.op_range(etcdapi.range_prefix(start,
+                                                                  prefix_range_end(start))))
+        self._keys = keys
+
+    def collect(self, responses: Any, revision: int) -> Snapshot:
+        found: dict[str, Versioned] = {}
+        for response in responses:
+            for kv in response.response_range.kvs:
+                name = self._keys.name_of(kv.key)
+                if name is not None:
+                    found[name] = Versioned(bytes(kv.value), kv.mod_revision, kv.version,
+                                            kv.lease)
+        return Snapshot(revision, dict(sorted(found.items(),
+                                              key=lambda item: self._keys.key(item[0]))))
+
+
+def _has_counter(snapshot: Snapshot) -> list[str]:
+    return [name for name, v in snapshot.found.items() if counters.is_mark(v.value)]
+
+
+def read_many(writer: Writer, names: Iterable[object] = (),
+              prefixes: Iterable[object] = ()) -> Snapshot:
+    """The keys ``names`` and every key whose name starts with one of ``prefixes``, read
+    from etcd at one revision: one read-only Txn. A counter (``add``) is folded into its
+    decimal value first, as :meth:`~cachedstore.EtcdStore.read` does. Raises
+    InvalidInputError for a bad name or more ranges than a Txn takes."""
+    reads = _Reads(writer, names, prefixes)
+    if not reads.ops:
+        raise InvalidInputError("read_many needs at least one name or prefix")
+    _check_ops("reads", len(reads.ops), writer)
+    writer._check_open()
+    conn = writer._conn
+    deadline = conn.deadline()
+    for _ in range(_FOLD_ATTEMPTS):
+        response = conn.call("txn", etcdapi.txn(success=reads.ops), deadline=deadline)
+        snapshot = reads.collect(response.responses, response.header.revision)
+        marked = _has_counter(snapshot)
+        if not marked:
+            return snapshot
+        for name in marked:
+            writer.fold(name, deadline)
+    return snapshot  # added to while folding, three times over: as stored
+
+
+def put_many_if(writer: Writer, expect: Mapping[Any, int],
+                puts: Mapping[Any, object], deletes: Iterable[object] = (), *,
+                lease: int = 0, names: Iterable[object] = (),
+                prefixes: Iterable[object] = ()) -> tuple[bool, Snapshot]:
+    """If every key of ``expect`` was last modified at the revision given (0: the key is
+    absent), put ``puts`` (attached to ``lease`` if non-zero) and delete ``deletes``, then
+    read ``names`` and ``prefixes``; otherwise only read them. One Txn; a raft proposal
+    whether or not the guard holds (etcd writes any Txn that may write).
+
+    Returns ``(True, the snapshot after the writes)`` or ``(False, the snapshot)``. Not
+    re-sent once it may have reached etcd (EtcdConnectionError: outcome unknown).
+    InvalidInputError for a bad name, a name both put and deleted, more operations than
+    a Txn takes or more bytes than a request takes; InvalidTypeError for a revision or
+    lease that is not an int ≥ 0; LeaseNotFoundError if the lease expired."""
+    keys = writer._keys
+    names, prefixes = list(names), list(prefixes)
+    for what, number in [("lease", lease), *(("mod_revision", r) for r in expect.values())]:
+        if isinstance(number, bool) or not isinstance(number, int) or number < 0:
+            raise InvalidTypeError(f"{what} must be an int >= 0, got {number!r}")
+    compares = []
+    for name, revision in expect.items():
+        key = keys.key(keys.canonical(name))
+        compares.append(etcdapi.unmodified(key, revision) if revision
+                        else etcdapi.absent(key))
+    writes: dict[str, bytes | None] = {}
+    ops: list[Any] = []
+    size = 0
+    for name, value in puts.items():
+        canonical = keys.canonical(name)
+        key, data = keys.key(canonical), to_value(value)
+        if data.startswith(counters.MARK):
+            raise InvalidInputError(f"the value of {name!r} starts with the bytes that mark "
+                                    f"a counter ({counters.MARK!r}); they are reserved")
+        if canonical in writes:
+            raise InvalidInputError(f"{name!r} is given twice (as different spellings)")
+        writes[canonical] = data
+        ops.append(etcdapi.op_put(etcdapi.put(key, data, lease=lease)))
+        size += len(key) + len(data)
+    for name in deletes:
+        canonical = keys.canonical(name)
+        if canonical in writes:
+            raise InvalidInputError(f"{name!r} is both written and deleted, or given twice")
+        writes[canonical] = None
+        ops.append(etcdapi.op_delete(etcdapi.delete(keys.key(canonical))))
+        ops.append(counters.clear(counters.Parts(keys, canonical)))  # as delete() does
+        size += 2 * len(keys.key(canonical))
+    reads = _Reads(writer, names, prefixes)
+    _check_ops("compares", len(compares), writer)
+    _check_ops("writes and reads", len(ops) + len(reads.ops), writer)
+    budget = writer._config.max_request_bytes - REQUEST_OVERHEAD
+    if size > budget:
+        raise InvalidInputError(f"the writes are {size} bytes; etcd accepts at most {budget} "
+                                f"in one request (max_request_bytes)")
+    writer._check_open()
+    request = etcdapi.txn(compares, ops + reads.ops, reads.ops)
+    ticket, response = writer._sent("txn", list(writes), request,
+                                    writer._conn.deadline())
+    revision = response.header.revision
+    if response.succeeded:
+        writer._cache.end_write(list(writes.items()), ticket, revision)
+        snapshot = reads.collect(response.responses[len(ops):], revision)
+    else:
+        writer._cache.abandon(list(writes))
+        snapshot = reads.collect(response.responses, revision)
+    if reads.ops and _has_counter(snapshot):
+        snapshot = read_many(writer, names, prefixes)
+    return response.succeeded, snapshot
+
+
+def _check_ops(what: str, n: int, writer: Writer) -> None:
+    limit = writer._config.max_txn_ops
+    if n > limit:
+        raise InvalidInputError(f"{n} {what} in one Txn; etcd takes at most {limit} "
+                                f"(max_txn_ops, etcd's --max-txn-ops)")
