@@ -595,6 +595,7 @@ _METHODS: dict[str, tuple[str, str]] = {
     "authenticate": ("auth", "Authenticate"),
     "lease_grant": ("lease", "LeaseGrant"),
     "lease_revoke": ("lease", "LeaseRevoke"),
+    "lease_time_to_live": ("lease", "LeaseTimeToLive"),
 }
 
 

@@ -91,7 +91,7 @@ def exit_code_for(exc: BaseException) -> int:
 
 #: ``etcd <rpc>: `` at the start of a connection-layer message: the RPC is an internal name.
 _RPC_PREFIX = re.compile(r"^etcd (?:range|txn|put|delete_range|status|authenticate|"
-                         r"lease_grant|lease_revoke|watch): ")
+                         r"lease_grant|lease_revoke|lease_time_to_live|watch): ")
 #: Library parameter names (``EtcdStore``, ``Credentials``) → the command's flags.
 _FLAGS = {"ca_cert": "--cacert", "cert_cert": "--cert", "cert_key": "--key"}
 _PARAMETER = re.compile(r"\b(" + "|".join(_FLAGS) + r")\b")

@@ -36,6 +36,7 @@ __all__ = [
     "delete",
     "lease_grant",
     "lease_revoke",
+    "lease_time_to_live",
     "never_put",
     "op_delete",
     "op_put",
@@ -155,6 +156,10 @@ def lease_grant(ttl_seconds: int) -> Any:
 
 def lease_revoke(lease_id: int) -> Any:
     return etcdrpc.LeaseRevokeRequest(ID=lease_id)
+
+
+def lease_time_to_live(lease_id: int) -> Any:
+    return etcdrpc.LeaseTimeToLiveRequest(ID=lease_id, keys=False)
 
 
 # -- auth -------------------------------------------------------------------------------

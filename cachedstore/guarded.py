@@ -8,7 +8,8 @@ key every few seconds (``torch/rendezvous.py``). This module gives them
 - :func:`read_many`: a linearizable snapshot of some keys and key ranges, all at one
   revision (one read-only Txn: no raft proposal);
 - :func:`put_many_if`: puts and deletes applied only if every key in ``expect`` still has
-  the ``mod_revision`` given (0: absent), and in the same Txn a snapshot read after them
+  the ``mod_revision`` given (0: absent) and no key under a prefix of ``unchanged_since``
+  was modified after the revision given, and in the same Txn a snapshot read after them
   (on success) or instead of them (on failure).
 
 Neither is answered from the cache, and a snapshot does not fill it: its names are not
@@ -49,16 +50,21 @@ class _Reads:
                  prefixes: Iterable[object]) -> None:
         keys = writer._keys
         self.ops: list[Any] = []
+        #: Key bytes the ranges carry (twice over: the success and the failure branch).
+        self.size = 0
         seen: set[str] = set()
         for name in names:
             canonical = keys.canonical(name)
             if canonical not in seen:
                 seen.add(canonical)
-                self.ops.append(etcdapi.op_range(etcdapi.range_key(keys.key(canonical))))
+                key = keys.key(canonical)
+                self.ops.append(etcdapi.op_range(etcdapi.range_key(key)))
+                self.size += 2 * len(key)
         for prefix in prefixes:
             start = keys.key(keys.canonical(prefix))  # non-empty, not reserved
             self.ops.append(etcdapi.op_range(etcdapi.range_prefix(start,
                                                                   prefix_range_end(start))))
+            self.size += 4 * len(start)
         self._keys = keys
 
     def collect(self, responses: Any, revision: int) -> Snapshot:
@@ -80,9 +86,11 @@ def _has_counter(snapshot: Snapshot) -> list[str]:
 def read_many(writer: Writer, names: Iterable[object] = (),
               prefixes: Iterable[object] = ()) -> Snapshot:
     """The keys ``names`` and every key whose name starts with one of ``prefixes``, read
-    from etcd at one revision: one read-only Txn. A counter (``add``) is folded into its
-    decimal value first, as :meth:`~cachedstore.EtcdStore.read` does. Raises
-    InvalidInputError for a bad name or more ranges than a Txn takes."""
+    from etcd at one revision: one read-only Txn. A counter (``add``) found is folded into
+    a plain decimal (a write, as :meth:`~cachedstore.EtcdStore.read` does) and the whole
+    snapshot read again; a counter that is added to again each time, three times over, is
+    returned as stored (its marker). Raises InvalidInputError for a bad name or more
+    ranges than a Txn takes."""
     reads = _Reads(writer, names, prefixes)
     if not reads.ops:
         raise InvalidInputError("read_many needs at least one name or prefix")
@@ -104,30 +112,40 @@ def read_many(writer: Writer, names: Iterable[object] = (),
 def put_many_if(writer: Writer, expect: Mapping[Any, int],
                 puts: Mapping[Any, object], deletes: Iterable[object] = (), *,
                 lease: int = 0, names: Iterable[object] = (),
-                prefixes: Iterable[object] = ()) -> tuple[bool, Snapshot]:
+                prefixes: Iterable[object] = (),
+                unchanged_since: Mapping[Any, int] | None = None) -> tuple[bool, Snapshot]:
     """If every key of ``expect`` was last modified at the revision given (0: the key is
-    absent), put ``puts`` (attached to ``lease`` if non-zero) and delete ``deletes``, then
-    read ``names`` and ``prefixes``; otherwise only read them. One Txn; a raft proposal
-    whether or not the guard holds (etcd writes any Txn that may write).
+    absent) and no key whose name starts with a prefix of ``unchanged_since`` was modified
+    after the revision given, put ``puts`` (attached to ``lease`` if non-zero) and delete
+    ``deletes``, then read ``names`` and ``prefixes``; otherwise only read them. One Txn;
+    a raft proposal whether or not the guard holds (etcd writes any Txn that may write).
 
-    Returns ``(True, the snapshot after the writes)`` or ``(False, the snapshot)``. Not
-    re-sent once it may have reached etcd (EtcdConnectionError: outcome unknown).
-    InvalidInputError for a bad name, a name both put and deleted, more operations than
-    a Txn takes or more bytes than a request takes; InvalidTypeError for a revision or
-    lease that is not an int ≥ 0; LeaseNotFoundError if the lease expired."""
+    Returns ``(True, the snapshot after the writes)`` or ``(False, the snapshot)``; when
+    the snapshot found a counter, it is read again by :func:`read_many` (at a later
+    revision). Not re-sent once it may have reached etcd (EtcdConnectionError: outcome
+    unknown). InvalidInputError for a bad name, a name both put and deleted, more
+    operations than a Txn takes or more bytes than a request takes; InvalidTypeError for a
+    revision or lease that is not an int ≥ 0; LeaseNotFoundError if the lease expired."""
     keys = writer._keys
     names, prefixes = list(names), list(prefixes)
-    for what, number in [("lease", lease), *(("mod_revision", r) for r in expect.values())]:
+    quiet = dict(unchanged_since or {})
+    for what, number in [("lease", lease), *(("mod_revision", r) for r in expect.values()),
+                         *(("revision", r) for r in quiet.values())]:
         if isinstance(number, bool) or not isinstance(number, int) or number < 0:
             raise InvalidTypeError(f"{what} must be an int >= 0, got {number!r}")
     compares = []
+    size = 0
     for name, revision in expect.items():
         key = keys.key(keys.canonical(name))
         compares.append(etcdapi.unmodified(key, revision) if revision
                         else etcdapi.absent(key))
+        size += len(key)
+    for prefix, revision in quiet.items():
+        start = keys.key(keys.canonical(prefix))
+        compares.append(etcdapi.unmodified_since(start, prefix_range_end(start), revision))
+        size += 2 * len(start)
     writes: dict[str, bytes | None] = {}
     ops: list[Any] = []
-    size = 0
     for name, value in puts.items():
         canonical = keys.canonical(name)
         key, data = keys.key(canonical), to_value(value)
@@ -145,15 +163,18 @@ def put_many_if(writer: Writer, expect: Mapping[Any, int],
             raise InvalidInputError(f"{name!r} is both written and deleted, or given twice")
         writes[canonical] = None
         ops.append(etcdapi.op_delete(etcdapi.delete(keys.key(canonical))))
-        ops.append(counters.clear(counters.Parts(keys, canonical)))  # as delete() does
-        size += 2 * len(keys.key(canonical))
+        parts = counters.Parts(keys, canonical)
+        ops.append(counters.clear(parts))  # as delete() does
+        size += len(keys.key(canonical)) + len(parts.start) + len(parts.end)
     reads = _Reads(writer, names, prefixes)
+    size += reads.size
     _check_ops("compares", len(compares), writer)
     _check_ops("writes and reads", len(ops) + len(reads.ops), writer)
     budget = writer._config.max_request_bytes - REQUEST_OVERHEAD
     if size > budget:
-        raise InvalidInputError(f"the writes are {size} bytes; etcd accepts at most {budget} "
-                                f"in one request (max_request_bytes)")
+        raise InvalidInputError(f"the Txn carries {size} bytes of keys and values; etcd "
+                                f"accepts at most {budget} in one request "
+                                f"(max_request_bytes)")
     writer._check_open()
     request = etcdapi.txn(compares, ops + reads.ops, reads.ops)
     ticket, response = writer._sent("txn", list(writes), request,

@@ -578,12 +578,14 @@ class EtcdStore:
     def put_many_if(self, expect: Mapping[str, int] | Mapping[bytes, int],
                     puts: Mapping[str, Value] | Mapping[bytes, Value],
                     deletes: Iterable[Name] = (), *, lease: int = 0,
-                    names: Iterable[Name] = (), prefixes: Iterable[Name] = ()
+                    names: Iterable[Name] = (), prefixes: Iterable[Name] = (),
+                    unchanged_since: Mapping[str, int] | Mapping[bytes, int] | None = None
                     ) -> tuple[bool, Snapshot]:
         """:meth:`put_if` over several keys: if every key of ``expect`` was last modified
-        at the revision given (0: absent), put ``puts`` (attached to ``lease`` if
-        non-zero), delete ``deletes``, then read ``names`` and ``prefixes``; otherwise only
-        read them. One Txn, atomic across processes.
+        at the revision given (0: absent), and no key whose name starts with a prefix of
+        ``unchanged_since`` was modified after the revision given, put ``puts`` (attached
+        to ``lease`` if non-zero), delete ``deletes``, then read ``names`` and
+        ``prefixes``; otherwise only read them. One Txn, atomic across processes.
 
         Returns ``(True, the Snapshot after the writes)`` or ``(False, the Snapshot)``. Not
         re-sent once it may have reached etcd (EtcdConnectionError: outcome unknown).
@@ -592,13 +594,20 @@ class EtcdStore:
         int ≥ 0; LeaseNotFoundError if the lease expired. Blocks for the round trip.
         Thread-safe."""
         return guarded.put_many_if(self._writes, expect, puts, deletes, lease=lease,
-                                   names=names, prefixes=prefixes)
+                                   names=names, prefixes=prefixes,
+                                   unchanged_since=unchanged_since)
 
     def grant_lease(self, ttl: float) -> int:
         """A new etcd lease of ``ttl`` seconds (rounded up to whole seconds, at least 1);
         returns its id. Keys written with it vanish when it expires or is revoked. One
         request; blocks for it. InvalidInputError unless 0 < ttl < 2**62. Thread-safe."""
         return self._writes.grant_lease(ttl)
+
+    def lease_time_to_live(self, lease: int) -> tuple[int, int] | None:
+        """``(seconds left, seconds granted)`` of ``lease``, or None if it expired, was
+        revoked or never existed. One request; blocks for it. InvalidTypeError unless
+        ``lease`` is an int > 0. Thread-safe."""
+        return self._writes.lease_time_to_live(lease)
 
     def revoke_lease(self, lease: int) -> None:
         """Revoke ``lease``: every key attached to it is deleted. A lease that no longer

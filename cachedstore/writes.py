@@ -353,6 +353,16 @@ class Writer:
             raise EtcdError(f"etcd lease grant: {response.error}")
         return int(response.ID)
 
+    def lease_time_to_live(self, lease: int) -> tuple[int, int] | None:
+        if isinstance(lease, bool) or not isinstance(lease, int) or lease <= 0:
+            raise InvalidTypeError(f"lease must be an int > 0, got {lease!r}")
+        self._check_open()
+        response = self._conn.call("lease_time_to_live", etcdapi.lease_time_to_live(lease),
+                                   deadline=self._conn.deadline())
+        if response.TTL < 0:  # expired, revoked or never granted
+            return None
+        return int(response.TTL), int(response.grantedTTL)
+
     def revoke_lease(self, lease: int) -> None:
         self._check_open()
         try:

@@ -22,10 +22,11 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _NodeDesc,
     _RendezvousState,
 )
-from util import raw_client
+from util import eventually, raw_client
 
 from benchmarks.fanout.etcd_metrics import SettledSampler
-from cachedstore import EtcdStore
+from cachedstore import EtcdConnectionError, EtcdStore
+from cachedstore.clock import FakeClock
 from cachedstore.server import LocalEtcd
 from cachedstore.torch import EtcdV3RendezvousBackend, heartbeats
 
@@ -104,7 +105,8 @@ def test_keep_alives_of_64_agents_read_before_any_write_never_retry(store, settl
     agents = [_holder(store) for _ in nodes]
     for holder in agents:
         holder.sync()
-    for holder, node in zip(agents, nodes, strict=True):  # each backend takes its lease
+    for holder, node in zip(agents, nodes, strict=True):
+        # Each backend takes its lease and asks how old the state key's lease is.
         assert _keep_alive(holder, node, NOW + timedelta(seconds=1))
     for holder in agents:
         holder.sync()  # every agent reads; then all keep alive with what they read
@@ -193,8 +195,6 @@ def test_other_changes_do_not_race_keep_alives_and_keep_their_times(store):
     assert leader.sync() is True
     assert leader.state.round == 2 and leader.state.last_heartbeats == times
     # A keep-alive read before the round changed is stale: it gets the new state.
-    stale = _holder(store)
-    stale._state, stale._token = pickle.loads(pickle.dumps(leader.state)), None
     behind = _holder(store)
     behind.sync()
     leader.state.complete = False
@@ -216,6 +216,117 @@ def test_a_state_the_backend_does_not_understand_is_one_compare_and_swap(store, 
     assert ok and bits == opaque2 and token2[0] > token[0]
     assert backend.set_state(opaque, token) == (opaque2, token2, False)
     assert list(raw_client(own_etcd).get_prefix(f"{prefix}heartbeats/")) == []
+
+
+def test_keep_alives_rewrite_the_state_key_before_its_lease_runs_out(store, own_etcd,
+                                                                     prefix):
+    """Keep-alives leave the state key alone, so its lease would run out 1.5 × ttl after
+    the last other change, in the middle of a run: a keep-alive rewrites it (same bytes,
+    the backend's current lease) once it has aged ttl / 2."""
+    clock = FakeClock()
+    node = _node(0)
+    holder = _holder(store)
+    holder._backend = EtcdV3RendezvousBackend(store, "hb", ttl=20, clock=clock)
+    assert holder.sync() is None
+    holder.state.participants[node], holder.state.last_heartbeats[node] = 0, NOW
+    holder.mark_dirty()
+    assert holder.sync() is True
+    raw = raw_client(own_etcd)
+    value, meta = raw.get(f"{prefix}state")
+    clock.advance(9.9)
+    assert _keep_alive(holder, node, NOW + timedelta(seconds=1))
+    assert raw.get(f"{prefix}state")[1].mod_revision == meta.mod_revision  # left alone
+    clock.advance(0.1)  # ttl / 2 since the backend wrote it
+    assert _keep_alive(holder, node, NOW + timedelta(seconds=2))
+    value2, meta2 = raw.get(f"{prefix}state")
+    assert value2 == value and meta2.mod_revision > meta.mod_revision
+    assert meta2.lease_id != meta.lease_id  # the lease granted anew at ttl / 2
+    assert raw.get_lease_info(meta2.lease_id).TTL > 20  # 1.5 × ttl from now
+    assert _keep_alive(holder, node, NOW + timedelta(seconds=3))
+    assert raw.get(f"{prefix}state")[1].mod_revision == meta2.mod_revision
+
+
+def test_a_new_backend_asks_etcd_how_old_the_state_keys_lease_is(store, own_etcd, prefix):
+    """A backend that never wrote the state does not know when it was written: its first
+    keep-alive asks etcd for the age of the state key's lease, and rewrites the key if that
+    is ttl / 2 or more."""
+    node = _node(0)
+    _create(store, [node], NOW)  # ttl 600: the state's lease is granted for 900 s
+    raw = raw_client(own_etcd)
+    meta = raw.get(f"{prefix}state")[1]
+    eventually(lambda: raw.get_lease_info(meta.lease_id).TTL <= 898, timeout=5,
+               what="the state key's lease aged 2 s")
+    late = _holder(store)
+    late._backend = EtcdV3RendezvousBackend(store, "hb", ttl=2, clock=FakeClock())
+    late.sync()
+    assert _keep_alive(late, node, NOW + timedelta(seconds=1))
+    after = raw.get(f"{prefix}state")[1]
+    assert after.mod_revision > meta.mod_revision  # rewritten at once, on a new lease
+    assert after.lease_id != meta.lease_id
+
+
+def test_a_change_dropping_more_nodes_than_a_txn_compares_waits_for_quiet(
+        own_etcd, prefix):
+    """Past max_txn_ops - 1 dropped nodes, one compare covers every heartbeat key: the
+    change fails if any node heartbeat after the writer read (here: the one node whose
+    own compare would not fit)."""
+    with EtcdStore(endpoints=[own_etcd.endpoint], prefix=prefix, max_txn_ops=8) as small:
+        nodes = [_node(i) for i in range(12)]
+        _create(small, nodes, NOW)
+        judge, alive = _holder(small), _holder(small)
+        judge.sync()
+        alive.sync()
+        while not _keep_alive(alive, nodes[-1], NOW + timedelta(seconds=1)):
+            pass
+        for node in nodes[1:]:  # the judge drops 11 nodes it read as silent
+            del judge.state.last_heartbeats[node]
+            del judge.state.participants[node]
+        judge.mark_dirty()
+        assert judge.sync() is False
+        assert set(judge.state.participants) == set(nodes)
+        for node in nodes[1:]:
+            del judge.state.last_heartbeats[node]
+            del judge.state.participants[node]
+        judge.mark_dirty()
+        assert judge.sync() is True  # nobody heartbeat since this read
+        # The one heartbeat key (of a node dropped now) is deleted with the change.
+        assert list(raw_client(own_etcd).get_prefix(f"{prefix}heartbeats/")) == []
+
+
+def test_a_keep_alive_whose_answer_was_lost_is_found_by_reading_back(store):
+    node, other = _node(0), _node(1)
+    holder = _create(store, [node, other], NOW)
+    writes = store._writes
+
+    def lose_answer(names):
+        writes.after_write = None
+        raise EtcdConnectionError("the answer was lost (test)")
+
+    writes.after_write = lose_answer
+    at = NOW + timedelta(seconds=1)
+    assert _keep_alive(holder, node, at) is True  # it landed: read back, recognised
+    del holder.state.last_heartbeats[other], holder.state.participants[other]
+    writes.after_write = lose_answer
+    holder.mark_dirty()
+    assert holder.sync() is True  # a change of the state: recognised by its bytes
+    fresh = _holder(store)
+    fresh.sync()
+    assert fresh.state.last_heartbeats == {node: at}
+
+
+def test_a_keep_alive_on_a_replaced_rendezvous_gets_the_new_instance(store):
+    node = _node(0)
+    holder = _create(store, [node], NOW)
+    first = holder._backend.instance
+    assert store.delete("state")  # the state expired; another run creates it anew
+    other = _holder(store)
+    assert other.sync() is None
+    other.state.round = 7
+    other.mark_dirty()
+    assert other.sync() is True
+    assert _keep_alive(holder, node, NOW + timedelta(seconds=1)) is False
+    assert holder.state.round == 7 and node not in holder.state.last_heartbeats
+    assert holder._backend.instance == other._backend.instance != first
 
 
 # --------------------------------------------------------------------------- pure parts

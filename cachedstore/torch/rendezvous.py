@@ -78,10 +78,6 @@ LIMITS: dict[str, tuple[float | None, float]] = {
 }
 #: How many handed-out states (tokens) a backend remembers.
 _VIEWS = 16
-#: At most this many dropped nodes are guarded (and heartbeat keys put) in one Txn, and
-#: this many dropped nodes' heartbeat keys deleted (etcd takes 128 operations per Txn).
-_GUARDED_DROPS = 100
-_DELETED_DROPS = 60
 #: torch's default ``keep_alive_interval`` (seconds): ``ttl`` must be at least twice it.
 _KEEP_ALIVE_DEFAULT = 5.0
 
@@ -102,14 +98,15 @@ class _View:
     """A state the backend handed torch, under the token it handed with it: the state key
     at ``token[0]`` merged with the run's heartbeat keys as of revision ``token[1]``."""
 
-    __slots__ = ("instance", "token", "raw", "bits", "state", "beats")
+    __slots__ = ("instance", "token", "raw", "lease", "bits", "state", "beats")
 
-    def __init__(self, instance: str, token: tuple[int, int], raw: bytes, bits: bytes,
-                 state: Any | None, beats: dict[str, int]) -> None:
+    def __init__(self, instance: str, token: tuple[int, int], raw: bytes, lease: int,
+                 bits: bytes, state: Any | None, beats: dict[str, int]) -> None:
         self.instance = instance
         self.token = token
-        #: The state key's stored value.
+        #: The state key's stored value, and the lease it is on (0: none).
         self.raw = raw
+        self.lease = lease
         #: torch's bytes, heartbeat keys merged in (what torch got).
         self.bits = bits
         #: ``bits`` unpickled, None when the backend does not understand them (opaque).
@@ -177,6 +174,9 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         self._lease_renew_at = 0.0
         self._instance: str | None = None
         self._views: dict[tuple[int, int], _View] = {}  # the last _VIEWS handed out
+        #: (the state key's newest mod_revision seen, the clock's time it was first seen
+        #: or None when its age is not known yet)
+        self._state_seen: tuple[int, float | None] | None = None
 
     @property
     def name(self) -> str:
@@ -206,9 +206,11 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         return f"store/{instance}/"
 
     # -- reading ------------------------------------------------------------------------
-    def _remember(self, found: Versioned, snap: Snapshot, beats_read: bool) -> _View:
+    def _remember(self, found: Versioned, snap: Snapshot, beats_read: bool,
+                  written: bool = False) -> _View:
         """The view of a snapshot holding the state key (and, if ``beats_read``, the
-        heartbeat keys of its instance); kept for its token."""
+        heartbeat keys of its instance); kept for its token. ``written``: this backend
+        just wrote the state key (so its age is known: none)."""
         instance, bits = _decode(found.value)
         state = heartbeats.decode(bits)
         beats: dict[str, int] = {}
@@ -224,10 +226,16 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
                         times[node] = at
             if heartbeats.merge(state, times):
                 bits = pickle.dumps(state)
-        view = _View(instance, (found.mod_revision, snap.revision), bytes(found.value), bits,
-                     state, beats)
+        view = _View(instance, (found.mod_revision, snap.revision), bytes(found.value),
+                     found.lease, bits, state, beats)
+        now = self._clock.monotonic()
         with self._lock:
             self._instance = instance
+            seen = self._state_seen
+            if written or (seen is not None and found.mod_revision > seen[0]):
+                self._state_seen = (found.mod_revision, now)
+            elif seen is None:
+                self._state_seen = (found.mod_revision, None)  # age unknown
             self._views[view.token] = view
             while len(self._views) > _VIEWS:
                 del self._views[next(iter(self._views))]
@@ -282,39 +290,77 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             if view.token[0] != token[0]:
                 return view.bits, view.token, False
         horizon = token[1]  # the revision the writer's view was read at
+        limit = self._store.config.max_txn_ops
         expect: dict[str, int] = {STATE: view.token[0]}
+        quiet: dict[str, int] = {}
         puts: dict[str, bytes] = {}
         deletes: list[str] = []
         old = view.state
         new = heartbeats.decode(state) if old is not None else None
-        if new is not None and old is not None and heartbeats.structure(new) == heartbeats.structure(old):
+        if new is not None and old is not None \
+                and heartbeats.structure(new) == heartbeats.structure(old):
             # A keep-alive: only heartbeat times moved. Guarded by the state key alone.
             for node, at in new.last_heartbeats.items():
                 if at > old.last_heartbeats[node]:
                     puts[heartbeats.heartbeat_key(view.instance, node)] = \
                         heartbeats.heartbeat_value(node, at)
-            if len(puts) > _GUARDED_DROPS:  # not a keep-alive torch makes: write it whole
+            if len(puts) > limit - 3:  # not a keep-alive torch makes: write it whole
                 puts = {STATE: _encode(view.instance, state)}
+            elif puts and self._state_ageing(view):
+                # Keep-alives leave the state key (and its lease) alone: rewrite it as it
+                # is, on this backend's lease, before the lease it is on runs out.
+                puts[STATE] = view.raw
         else:
             puts[STATE] = _encode(view.instance, state)
             if new is not None and old is not None:
-                # Nodes this change drops (dead in the writer's view): it fails if one of
-                # them heartbeat since the token was read. The newest first, if too many.
-                dropped = sorted((n for n in old.last_heartbeats
-                                  if n not in new.last_heartbeats),
-                                 key=lambda n: old.last_heartbeats[n], reverse=True)
-                for node in dropped[:_GUARDED_DROPS]:
-                    name = heartbeats.node_name(node)
-                    key = heartbeats.heartbeat_key(view.instance, node)
-                    expect[key] = view.beats.get(name, 0)
-                    if expect[key] > horizon:  # it heartbeat after the writer's read
-                        return view.bits, view.token, False
-                    if name in view.beats and len(deletes) < _DELETED_DROPS:
-                        deletes.append(key)
-        return self._write(view.instance, expect, puts, deletes)
+                alive = {heartbeats.node_name(n) for n in new.last_heartbeats}
+                dropped = [n for n in old.last_heartbeats if n not in new.last_heartbeats]
+                if len(dropped) < limit:
+                    # Each node this change drops (dead in the writer's view): it fails if
+                    # one of them heartbeat after the writer read the state.
+                    for node in dropped:
+                        key = heartbeats.heartbeat_key(view.instance, node)
+                        expect[key] = view.beats.get(heartbeats.node_name(node), 0)
+                        if expect[key] > horizon:
+                            return view.bits, view.token, False
+                else:  # too many compares: no heartbeat at all since the writer read
+                    quiet[f"{heartbeats.HEARTBEATS}{view.instance}/"] = horizon
+                # Delete the keys of nodes the state no longer has (those dropped now,
+                # and any left over), as many as the Txn takes.
+                deletes = [f"{heartbeats.HEARTBEATS}{view.instance}/{name}"
+                           for name in view.beats if name not in alive][:(limit - 3) // 2]
+        return self._write(view.instance, expect, puts, deletes, quiet)
+
+    def _state_ageing(self, view: _View) -> bool:
+        """Whether the state key of ``view`` was put ``ttl / 2`` ago or more (its lease
+        lasts ``1.5 × ttl``): by this backend's clock since it wrote or first saw that
+        ``mod_revision``; the first time, by its lease's age (one request, once)."""
+        revision = view.token[0]
+        with self._lock:
+            seen = self._state_seen
+        if seen is None or seen[0] != revision:
+            return False  # a newer state exists: this write's guard fails anyway
+        if seen[1] is None:  # first seen by this backend: ask etcd how old its lease is
+            if not view.lease:
+                return False  # on no lease: it does not expire
+            try:
+                left = self._store.lease_time_to_live(view.lease)
+            except CachedStoreError as exc:
+                raise RendezvousConnectionError(
+                    f"etcd-v3 rendezvous: reading the state key's lease failed: {exc}"
+                ) from exc
+            if left is None:
+                return True  # expired under us: put it back
+            age = left[1] - left[0]
+            with self._lock:
+                if self._state_seen == seen:
+                    self._state_seen = (revision, self._clock.monotonic() - age)
+            return age >= self._ttl / 2
+        return self._clock.monotonic() - seen[1] >= self._ttl / 2
 
     def _write(self, instance: str, expect: dict[str, int], puts: dict[str, bytes],
-               deletes: list[str]) -> tuple[bytes, Token, bool] | None:
+               deletes: list[str], quiet: dict[str, int] | None = None
+               ) -> tuple[bytes, Token, bool] | None:
         """One guarded Txn, reading back the state and the heartbeat keys of
         ``instance``."""
         prefixes = [f"{heartbeats.HEARTBEATS}{instance}/"]
@@ -322,7 +368,8 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             lease = self._lease() if puts else 0
             try:
                 ok, snap = self._store.put_many_if(expect, puts, deletes, lease=lease,
-                                                   names=[STATE], prefixes=prefixes)
+                                                   names=[STATE], prefixes=prefixes,
+                                                   unchanged_since=quiet)
             except LeaseNotFoundError:
                 if attempt == 0:
                     self._forget_lease(lease)  # expired or revoked under us: take a new one
@@ -340,7 +387,8 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             if _decode(found.value)[0] != instance:  # replaced by another instance
                 view = self._read_view()
                 return None if view is None else (view.bits, view.token, False)
-            view = self._remember(found, snap, beats_read=True)
+            view = self._remember(found, snap, beats_read=True,
+                                  written=ok and STATE in puts)
             return view.bits, view.token, ok
         raise RendezvousStateError("etcd-v3 rendezvous: the state key's lease keeps vanishing")
 
