@@ -160,6 +160,25 @@ def markdown(worlds: dict[int, dict[str, Any]], extras: dict[str, Any],
             lines += ["Did not finish within the budget (counts are up to the abort): "
                       + " | ".join(dnf), ""]
 
+    # keep-alive races
+    ka = [(w, etcd.get("keepalive", {}).get(w), tcp.get("keepalive", {}).get(w)) for w in ws]
+    ka = [(w, r, t) for w, r, t in ka if r is not None or t is not None]
+    if ka:
+        lines += ["## torchrun keep-alive: writes per keep-alive", "",
+                  "Each agent's keep-alive as torch's state holder makes it: a read, then "
+                  "writes until one lands (a lost compare-and-swap re-reads and writes "
+                  "again). 1.00 means no keep-alive lost a race. cachedstore: the `etcd-v3` "
+                  "backend (a heartbeat key per node); TCPStore: torch's `c10d` backend (one "
+                  "state key).", ""]
+        rows = []
+        for w, r, t in ka:
+            alives = 2 * math.ceil(w / 8)  # every agent, every 5 of the 10 steps
+            rows.append([str(w), str(alives)] + [
+                _n(x["extras"].get("cas_attempts", 0) / alives) if x and x["finished"] else "–"
+                for x in (r, t)])
+        lines += [_table(["W", "keep-alives", "cachedstore (etcd-v3)", "TCPStore (c10d)"],
+                         rows), ""]
+
     # connect + init
     lines += ["## Store construction and job init", "",
               "Connect: building the W stores (snapshot read, watch creation). Init = connect "
