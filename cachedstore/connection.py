@@ -49,7 +49,7 @@ IDEMPOTENT = "idempotent"  # safe to send again after any transport failure
 UNSENT_ONLY = "unsent-only"  # retried only when the request cannot have reached etcd
 
 #: Methods that change nothing: sent to an unchecked member, their answer's header checks it.
-_READS = frozenset({"range", "status"})
+_READS = frozenset({"range", "status", "lease_time_to_live"})
 #: etcd's require-leader metadata (what etcd's own clients send on watches). A member that
 #: has lost its leader (cut off from its peers) refuses such a request with "no leader"
 #: (Unavailable) instead of answering from its frozen state, and ends such a watch stream

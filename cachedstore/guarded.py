@@ -8,9 +8,9 @@ key every few seconds (``torch/rendezvous.py``). This module gives them
 - :func:`read_many`: a linearizable snapshot of some keys and key ranges, all at one
   revision (one read-only Txn: no raft proposal);
 - :func:`put_many_if`: puts and deletes applied only if every key in ``expect`` still has
-  the ``mod_revision`` given (0: absent) and no key under a prefix of ``unchanged_since``
-  was modified after the revision given, and in the same Txn a snapshot read after them
-  (on success) or instead of them (on failure).
+  the ``mod_revision`` given (0: absent) and no key under a prefix (or in a name range) of
+  ``unchanged_since`` was modified after the revision given, and in the same Txn a
+  snapshot read after them (on success) or instead of them (on failure).
 
 Neither is answered from the cache, and a snapshot does not fill it: its names are not
 known before it is read, so the in-flight gate of ``cache.py`` cannot cover them (like
@@ -115,8 +115,9 @@ def put_many_if(writer: Writer, expect: Mapping[Any, int],
                 prefixes: Iterable[object] = (),
                 unchanged_since: Mapping[Any, int] | None = None) -> tuple[bool, Snapshot]:
     """If every key of ``expect`` was last modified at the revision given (0: the key is
-    absent) and no key whose name starts with a prefix of ``unchanged_since`` was modified
-    after the revision given, put ``puts`` (attached to ``lease`` if non-zero) and delete
+    absent) and no key of ``unchanged_since`` was modified after the revision given (a
+    name there stands for every key it is a prefix of; a pair ``(first, last)`` for every
+    key from ``first`` to ``last``, both included), put ``puts`` (attached to ``lease`` if non-zero) and delete
     ``deletes``, then read ``names`` and ``prefixes``; otherwise only read them. One Txn;
     a raft proposal whether or not the guard holds (etcd writes any Txn that may write).
 
@@ -124,8 +125,10 @@ def put_many_if(writer: Writer, expect: Mapping[Any, int],
     the snapshot found a counter, it is read again by :func:`read_many` (at a later
     revision). Not re-sent once it may have reached etcd (EtcdConnectionError: outcome
     unknown). InvalidInputError for a bad name, a name both put and deleted, more
-    operations than a Txn takes or more bytes than a request takes; InvalidTypeError for a
-    revision or lease that is not an int ≥ 0; LeaseNotFoundError if the lease expired."""
+    operations than a Txn takes, more bytes than a request takes or a range whose
+    ``first`` sorts after its ``last``; InvalidTypeError for a revision or lease that is
+    not an int ≥ 0 or a range that is not a pair of names; LeaseNotFoundError if the
+    lease expired."""
     keys = writer._keys
     names, prefixes = list(names), list(prefixes)
     quiet = dict(unchanged_since or {})
@@ -140,10 +143,10 @@ def put_many_if(writer: Writer, expect: Mapping[Any, int],
         compares.append(etcdapi.unmodified(key, revision) if revision
                         else etcdapi.absent(key))
         size += len(key)
-    for prefix, revision in quiet.items():
-        start = keys.key(keys.canonical(prefix))
-        compares.append(etcdapi.unmodified_since(start, prefix_range_end(start), revision))
-        size += 2 * len(start)
+    for scope, revision in quiet.items():
+        start, end = _scope_range(keys, scope)
+        compares.append(etcdapi.unmodified_since(start, end, revision))
+        size += len(start) + len(end)
     writes: dict[str, bytes | None] = {}
     ops: list[Any] = []
     for name, value in puts.items():
@@ -189,6 +192,21 @@ def put_many_if(writer: Writer, expect: Mapping[Any, int],
     if reads.ops and _has_counter(snapshot):
         snapshot = read_many(writer, names, prefixes)
     return response.succeeded, snapshot
+
+
+def _scope_range(keys: Any, scope: object) -> tuple[bytes, bytes]:
+    """The etcd key range ``[start, end)`` of a scope of ``unchanged_since``: a name
+    prefix, or a pair of names (both included)."""
+    if isinstance(scope, tuple):
+        if len(scope) != 2:
+            raise InvalidTypeError(f"a range of names is a pair (first, last), got {scope!r}")
+        first, last = (keys.key(keys.canonical(name)) for name in scope)
+        if first > last:
+            raise InvalidInputError(f"the range {scope!r} is empty: its first name sorts "
+                                    f"after its last")
+        return first, last + b"\0"
+    start = keys.key(keys.canonical(scope))
+    return start, prefix_range_end(start)
 
 
 def _check_ops(what: str, n: int, writer: Writer) -> None:

@@ -579,20 +579,23 @@ class EtcdStore:
                     puts: Mapping[str, Value] | Mapping[bytes, Value],
                     deletes: Iterable[Name] = (), *, lease: int = 0,
                     names: Iterable[Name] = (), prefixes: Iterable[Name] = (),
-                    unchanged_since: Mapping[str, int] | Mapping[bytes, int] | None = None
+                    unchanged_since: Mapping[str, int] | Mapping[bytes, int]
+                    | Mapping[Name | tuple[Name, Name], int] | None = None
                     ) -> tuple[bool, Snapshot]:
         """:meth:`put_if` over several keys: if every key of ``expect`` was last modified
-        at the revision given (0: absent), and no key whose name starts with a prefix of
-        ``unchanged_since`` was modified after the revision given, put ``puts`` (attached
-        to ``lease`` if non-zero), delete ``deletes``, then read ``names`` and
-        ``prefixes``; otherwise only read them. One Txn, atomic across processes.
+        at the revision given (0: absent), and no key of ``unchanged_since`` was modified
+        after the revision given (a name there stands for every key whose name starts with
+        it, a pair ``(first, last)`` for every name from ``first`` to ``last``, both
+        included), put ``puts`` (attached to ``lease`` if non-zero), delete ``deletes``,
+        then read ``names`` and ``prefixes``; otherwise only read them. One Txn, atomic
+        across processes.
 
         Returns ``(True, the Snapshot after the writes)`` or ``(False, the Snapshot)``. Not
         re-sent once it may have reached etcd (EtcdConnectionError: outcome unknown).
-        InvalidInputError for a bad name, a name both put and deleted, or more operations
-        or bytes than one Txn takes; InvalidTypeError for a revision or lease that is not an
-        int ≥ 0; LeaseNotFoundError if the lease expired. Blocks for the round trip.
-        Thread-safe."""
+        InvalidInputError for a bad name, a name both put and deleted, more operations or
+        bytes than one Txn takes, or a range whose first name sorts after its last;
+        InvalidTypeError for a revision or lease that is not an int ≥ 0; LeaseNotFoundError
+        if the lease expired. Blocks for the round trip. Thread-safe."""
         return guarded.put_many_if(self._writes, expect, puts, deletes, lease=lease,
                                    names=names, prefixes=prefixes,
                                    unchanged_since=unchanged_since)
@@ -606,7 +609,7 @@ class EtcdStore:
     def lease_time_to_live(self, lease: int) -> tuple[int, int] | None:
         """``(seconds left, seconds granted)`` of ``lease``, or None if it expired, was
         revoked or never existed. One request; blocks for it. InvalidTypeError unless
-        ``lease`` is an int > 0. Thread-safe."""
+        ``lease`` is an int from 1 to 2**63 - 1 (etcd's lease ids). Thread-safe."""
         return self._writes.lease_time_to_live(lease)
 
     def revoke_lease(self, lease: int) -> None:

@@ -354,8 +354,8 @@ class Writer:
         return int(response.ID)
 
     def lease_time_to_live(self, lease: int) -> tuple[int, int] | None:
-        if isinstance(lease, bool) or not isinstance(lease, int) or lease <= 0:
-            raise InvalidTypeError(f"lease must be an int > 0, got {lease!r}")
+        if isinstance(lease, bool) or not isinstance(lease, int) or not 0 < lease < 2**63:
+            raise InvalidTypeError(f"lease must be an int from 1 to 2**63 - 1, got {lease!r}")
         self._check_open()
         response = self._conn.call("lease_time_to_live", etcdapi.lease_time_to_live(lease),
                                    deadline=self._conn.deadline())

@@ -108,3 +108,53 @@ def test_put_many_if_refuses_bad_input_and_writes_nothing(etcd, prefix, call, er
         with pytest.raises(error, match=match):
             call(store)
         assert store.list_keys() == []
+
+
+def test_put_many_if_unchanged_since_guards_prefixes_and_name_ranges(etcd, prefix):
+    """A name stands for its prefix; a pair for the names from first to last, both
+    included and nothing past last (etcd's range end is last + NUL)."""
+    raw = raw_client(etcd)
+    with open_store(etcd, prefix) as store:
+        store.mset({"d/a": "1", "d/b": "2", "d/c": "3", "e": "4"})
+        since = store.read_many(["e"]).revision
+        store.set("d/bb", "past the range")  # after ``since``, outside ("d/a", "d/b")
+        store.set("d/c", "moved")  # after ``since``, outside too
+        ok, _ = store.put_many_if({}, {"w1": "x"}, unchanged_since={("d/a", "d/b"): since})
+        assert ok
+        store.set("d/b", "moved")  # the range's last name
+        ok, _ = store.put_many_if({}, {"w2": "x"}, unchanged_since={("d/a", "d/b"): since})
+        assert not ok and raw.get(prefix + "w2")[0] is None
+        ok, _ = store.put_many_if({}, {"w3": "x"}, unchanged_since={"d/": since})
+        assert not ok and raw.get(prefix + "w3")[0] is None
+        ok, _ = store.put_many_if({}, {"w4": "x"}, unchanged_since={"e": since,
+                                                                   ("d/x", "d/z"): since})
+        assert ok  # nothing under "e" nor from "d/x" to "d/z" changed
+        now = store.read_many(["e"]).revision
+        assert store.put_many_if({}, {"w5": "x"}, unchanged_since={"d/": now})[0]
+
+
+@pytest.mark.parametrize("scope, error, match", [
+    (("d/b", "d/a"), InvalidInputError, "first name sorts after its last"),
+    (("d/a", "d/b", "d/c"), InvalidTypeError, "pair"),
+    ("", InvalidInputError, "empty"),
+])
+def test_put_many_if_refuses_a_bad_unchanged_since_scope(etcd, prefix, scope, error, match):
+    with open_store(etcd, prefix) as store:
+        with pytest.raises(error, match=match):
+            store.put_many_if({}, {"a": "1"}, unchanged_since={scope: 1})
+        with pytest.raises(InvalidTypeError, match="revision"):
+            store.put_many_if({}, {"a": "1"}, unchanged_since={"d/": -1})
+        assert store.list_keys() == []
+
+
+def test_lease_time_to_live_says_what_is_left_and_refuses_what_is_not_a_lease(etcd, prefix):
+    with open_store(etcd, prefix) as store:
+        lease = store.grant_lease(30)
+        left, granted = store.lease_time_to_live(lease)
+        assert granted == 30 and 0 < left <= 30
+        store.revoke_lease(lease)
+        assert store.lease_time_to_live(lease) is None  # revoked
+        assert store.lease_time_to_live(2**63 - 1) is None  # never granted
+        for bad in (0, -1, True, 2**63, "1", 1.0):
+            with pytest.raises(InvalidTypeError, match="lease"):
+                store.lease_time_to_live(bad)

@@ -109,3 +109,9 @@ def test_the_backend_refuses_an_infinite_ttl(etcd, prefix):
         for ttl in (math.inf, math.nan, 0.0, -5.0):
             with pytest.raises(ValueError, match="ttl"):
                 EtcdV3RendezvousBackend(store, "r", ttl=ttl)
+
+
+def test_the_backend_refuses_a_store_whose_txn_cannot_hold_a_guarded_write(etcd, prefix):
+    with (EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, max_txn_ops=2) as store,
+          pytest.raises(ValueError, match="max_txn_ops must be at least 3")):
+        EtcdV3RendezvousBackend(store, "r")

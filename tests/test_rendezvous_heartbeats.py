@@ -22,7 +22,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _NodeDesc,
     _RendezvousState,
 )
-from util import eventually, raw_client
+from util import raw_client
 
 from benchmarks.fanout.etcd_metrics import SettledSampler
 from cachedstore import EtcdConnectionError, EtcdStore
@@ -106,7 +106,7 @@ def test_keep_alives_of_64_agents_read_before_any_write_never_retry(store, settl
     for holder in agents:
         holder.sync()
     for holder, node in zip(agents, nodes, strict=True):
-        # Each backend takes its lease and asks how old the state key's lease is.
+        # Each backend takes its lease and asks how long the state key's lease lasts.
         assert _keep_alive(holder, node, NOW + timedelta(seconds=1))
     for holder in agents:
         holder.sync()  # every agent reads; then all keep alive with what they read
@@ -114,7 +114,7 @@ def test_keep_alives_of_64_agents_read_before_any_write_never_retry(store, settl
     before = settled()
     outcomes = [_keep_alive(h, n, t) for h, n, t in zip(agents, nodes, times, strict=True)]
     counts = settled().minus(before)
-    assert outcomes == [True] * AGENTS  # one compare-and-swap key: all but the first lose
+    assert outcomes == [True] * AGENTS  # on one compare-and-swap key all but one would lose
     assert counts.requests == {"Txn": AGENTS}
     assert counts.proposals == AGENTS
     # Every agent's state and a fresh reader see every keep-alive.
@@ -222,7 +222,8 @@ def test_keep_alives_rewrite_the_state_key_before_its_lease_runs_out(store, own_
                                                                      prefix):
     """Keep-alives leave the state key alone, so its lease would run out 1.5 × ttl after
     the last other change, in the middle of a run: a keep-alive rewrites it (same bytes,
-    the backend's current lease) once it has aged ttl / 2."""
+    the backend's current lease) once that lease has 3/4 × ttl or less left, counted from
+    when the lease was granted, not from when the key was written."""
     clock = FakeClock()
     node = _node(0)
     holder = _holder(store)
@@ -230,67 +231,167 @@ def test_keep_alives_rewrite_the_state_key_before_its_lease_runs_out(store, own_
     assert holder.sync() is None
     holder.state.participants[node], holder.state.last_heartbeats[node] = 0, NOW
     holder.mark_dirty()
-    assert holder.sync() is True
+    assert holder.sync() is True  # the lease (30 s) granted at 0
     raw = raw_client(own_etcd)
+    first = raw.get(f"{prefix}state")[1]
+    clock.advance(9)
+    holder.state.round = 1  # a change at 9, still on the lease granted at 0
+    holder.mark_dirty()
+    assert holder.sync() is True
     value, meta = raw.get(f"{prefix}state")
-    clock.advance(9.9)
+    assert meta.lease_id == first.lease_id
+    clock.advance(5.9)  # 14.9: 15.1 s left
     assert _keep_alive(holder, node, NOW + timedelta(seconds=1))
     assert raw.get(f"{prefix}state")[1].mod_revision == meta.mod_revision  # left alone
-    clock.advance(0.1)  # ttl / 2 since the backend wrote it
+    clock.advance(0.1)  # 15: 3/4 × ttl left, 6 s after the write
     assert _keep_alive(holder, node, NOW + timedelta(seconds=2))
     value2, meta2 = raw.get(f"{prefix}state")
     assert value2 == value and meta2.mod_revision > meta.mod_revision
     assert meta2.lease_id != meta.lease_id  # the lease granted anew at ttl / 2
     assert raw.get_lease_info(meta2.lease_id).TTL > 20  # 1.5 × ttl from now
+    clock.advance(4.9)
     assert _keep_alive(holder, node, NOW + timedelta(seconds=3))
     assert raw.get(f"{prefix}state")[1].mod_revision == meta2.mod_revision
 
 
-def test_a_new_backend_asks_etcd_how_old_the_state_keys_lease_is(store, own_etcd, prefix):
-    """A backend that never wrote the state does not know when it was written: its first
-    keep-alive asks etcd for the age of the state key's lease, and rewrites the key if that
-    is ttl / 2 or more."""
-    node = _node(0)
-    _create(store, [node], NOW)  # ttl 600: the state's lease is granted for 900 s
+def test_an_agent_that_never_wrote_the_state_keeps_it_alive(store, own_etcd, prefix,
+                                                            settled):
+    """A backend that did not write the state does not know its lease: its first
+    keep-alive asks etcd once (LeaseTimeToLive), and it rewrites the key once 3/4 × ttl or
+    less is left, after the writer is gone."""
+    node, writer_node = _node(0), _node(1)
+    writer = _holder(store)
+    writer._backend = EtcdV3RendezvousBackend(store, "hb", ttl=40)  # a lease of 60 s
+    assert writer.sync() is None
+    for rank, n in enumerate([node, writer_node]):
+        writer.state.participants[n], writer.state.last_heartbeats[n] = rank, NOW
+    writer.mark_dirty()
+    assert writer.sync() is True
     raw = raw_client(own_etcd)
     meta = raw.get(f"{prefix}state")[1]
-    eventually(lambda: raw.get_lease_info(meta.lease_id).TTL <= 898, timeout=5,
-               what="the state key's lease aged 2 s")
-    late = _holder(store)
-    late._backend = EtcdV3RendezvousBackend(store, "hb", ttl=2, clock=FakeClock())
-    late.sync()
-    assert _keep_alive(late, node, NOW + timedelta(seconds=1))
+    del writer  # the writer left
+    clock = FakeClock()
+    agent = _holder(store)
+    agent._backend = EtcdV3RendezvousBackend(store, "hb", ttl=40, clock=clock)
+    agent.sync()
+    before = settled()
+    assert _keep_alive(agent, node, NOW + timedelta(seconds=1))
+    clock.advance(19)  # etcd said at most 60 s left at 0: at least 37 left (slow CI: 3 s)
+    assert _keep_alive(agent, node, NOW + timedelta(seconds=2))
+    counts = settled().minus(before)
+    assert counts.requests == {"LeaseGrant": 1, "LeaseTimeToLive": 1, "Txn": 2}
+    assert raw.get(f"{prefix}state")[1].mod_revision == meta.mod_revision  # left alone
+    clock.advance(21)  # at most 20 s left: rewritten, on the agent's (new) lease
+    assert _keep_alive(agent, node, NOW + timedelta(seconds=3))
     after = raw.get(f"{prefix}state")[1]
-    assert after.mod_revision > meta.mod_revision  # rewritten at once, on a new lease
-    assert after.lease_id != meta.lease_id
+    assert after.mod_revision > meta.mod_revision and after.lease_id != meta.lease_id
+    assert raw.get_lease_info(after.lease_id).TTL > 50
 
 
-def test_a_change_dropping_more_nodes_than_a_txn_compares_waits_for_quiet(
+def test_a_keep_alive_rewrites_when_etcd_cannot_say_how_long_the_lease_lasts(store,
+                                                                             own_etcd,
+                                                                             prefix):
+    node = _node(0)
+    _create(store, [node], NOW)  # ttl 600: 900 s left, no rewrite due
+    meta = raw_client(own_etcd).get(f"{prefix}state")[1]
+    agent = _holder(store)
+    agent.sync()
+
+    def unanswered(lease: int) -> None:
+        raise EtcdConnectionError("no answer (test)")
+
+    store.lease_time_to_live = unanswered  # type: ignore[method-assign]
+    assert _keep_alive(agent, node, NOW + timedelta(seconds=1))
+    after = raw_client(own_etcd).get(f"{prefix}state")[1]
+    assert after.mod_revision > meta.mod_revision  # rewritten rather than risked
+
+
+def test_a_change_dropping_a_dead_host_is_not_failed_by_survivors_keep_alives(
         own_etcd, prefix):
-    """Past max_txn_ops - 1 dropped nodes, one compare covers every heartbeat key: the
-    change fails if any node heartbeat after the writer read (here: the one node whose
-    own compare would not fit)."""
+    """Dropped nodes are guarded by key ranges that cover no surviving node's heartbeat
+    key (one range per dead host): a survivor's keep-alive after the writer read does not
+    fail the change, a dropped node's does. More ranges than a Txn compares: the whole
+    directory guards, and then any keep-alive fails the change."""
+    with EtcdStore(endpoints=[own_etcd.endpoint], prefix=prefix, max_txn_ops=8) as small:
+        dead = [_NodeDesc("dead-host", 100 + i, 0) for i in range(11)]
+        live = [_node(i) for i in range(4)]  # sorts after "dead-host_*"
+        _create(small, dead + live, NOW)
+        for node in dead[:2] + live:  # some of them have heartbeat keys
+            peer = _holder(small)
+            peer.sync()
+            assert _keep_alive(peer, node, NOW + timedelta(seconds=1))
+        judge, alive = _holder(small), _holder(small)
+        judge.sync()
+        alive.sync()
+        assert _keep_alive(alive, live[0], NOW + timedelta(seconds=2))  # after the read
+        for node in dead:  # the judge drops 11 nodes it read as silent
+            del judge.state.last_heartbeats[node]
+            del judge.state.participants[node]
+        judge.mark_dirty()
+        assert judge.sync() is True
+        assert set(judge.state.participants) == set(live)
+        # The dropped nodes' keys are deleted with the change; the survivors' stay.
+        names = {m.key.decode().rsplit("/", 1)[1]
+                 for _, m in raw_client(own_etcd).get_prefix(f"{prefix}heartbeats/")}
+        assert names == {heartbeats.node_name(n) for n in live}
+
+    with EtcdStore(endpoints=[own_etcd.endpoint], prefix=prefix + "b/",
+                   max_txn_ops=8) as small:
+        nodes = [_node(i) for i in range(16)]
+        _create(small, nodes, NOW)
+        judge, alive = _holder(small), _holder(small)
+        judge.sync()
+        alive.sync()
+        dropped = nodes[1::2]  # interleaved with survivors in key order: 8 ranges
+        assert len(heartbeats.runs([heartbeats.node_name(n) for n in dropped],
+                                   [heartbeats.node_name(n) for n in nodes[::2]])) == 8
+        assert _keep_alive(alive, nodes[0], NOW + timedelta(seconds=2))  # a survivor
+        for node in dropped:
+            del judge.state.last_heartbeats[node]
+            del judge.state.participants[node]
+        judge.mark_dirty()
+        assert judge.sync() is False  # the whole directory changed since the read
+        for node in dropped:
+            del judge.state.last_heartbeats[node]
+            del judge.state.participants[node]
+        judge.mark_dirty()
+        assert judge.sync() is True  # nobody heartbeat since this read
+
+
+def test_a_change_dropping_a_node_that_heartbeat_fails_within_a_range(own_etcd, prefix):
     with EtcdStore(endpoints=[own_etcd.endpoint], prefix=prefix, max_txn_ops=8) as small:
         nodes = [_node(i) for i in range(12)]
         _create(small, nodes, NOW)
         judge, alive = _holder(small), _holder(small)
         judge.sync()
         alive.sync()
-        while not _keep_alive(alive, nodes[-1], NOW + timedelta(seconds=1)):
-            pass
-        for node in nodes[1:]:  # the judge drops 11 nodes it read as silent
+        assert _keep_alive(alive, nodes[5], NOW + timedelta(seconds=1))  # after the read
+        for node in nodes[1:]:
             del judge.state.last_heartbeats[node]
             del judge.state.participants[node]
         judge.mark_dirty()
         assert judge.sync() is False
         assert set(judge.state.participants) == set(nodes)
-        for node in nodes[1:]:
-            del judge.state.last_heartbeats[node]
-            del judge.state.participants[node]
-        judge.mark_dirty()
-        assert judge.sync() is True  # nobody heartbeat since this read
-        # The one heartbeat key (of a node dropped now) is deleted with the change.
-        assert list(raw_client(own_etcd).get_prefix(f"{prefix}heartbeats/")) == []
+
+
+def test_structural_changes_delete_left_over_keys_as_many_as_a_txn_takes(own_etcd, prefix):
+    """Heartbeat keys of nodes the state does not have (a change that could not delete
+    them all, or written by hand) go with the next changes, (max_txn_ops - 3) // 2 each."""
+    with EtcdStore(endpoints=[own_etcd.endpoint], prefix=prefix, max_txn_ops=8) as small:
+        node = _node(0)
+        holder = _create(small, [node], NOW)
+        directory = f"{prefix}heartbeats/{holder._backend.instance}/"
+        raw = raw_client(own_etcd)
+        for i in range(5):
+            raw.put(f"{directory}ghost_{i}_0", b"{}")
+        holder.sync()
+        left = []
+        for round_ in range(2, 5):
+            holder.state.round = round_
+            holder.mark_dirty()
+            assert holder.sync() is True
+            left.append(len(list(raw.get_prefix(directory))))
+        assert left == [3, 1, 0]  # 2 deleted per change (max_txn_ops 8)
 
 
 def test_a_keep_alive_whose_answer_was_lost_is_found_by_reading_back(store):
@@ -312,6 +413,35 @@ def test_a_keep_alive_whose_answer_was_lost_is_found_by_reading_back(store):
     fresh = _holder(store)
     fresh.sync()
     assert fresh.state.last_heartbeats == {node: at}
+
+
+def test_a_rewrite_whose_answer_was_lost_is_judged_by_its_heartbeat_keys(store, own_etcd,
+                                                                        prefix):
+    """A keep-alive that also rewrites the state key as it is: reading the state back
+    cannot tell whether it landed (same bytes); its heartbeat key, written in the same Txn,
+    can."""
+    clock = FakeClock()
+    node = _node(0)
+    holder = _holder(store)
+    holder._backend = EtcdV3RendezvousBackend(store, "hb", ttl=20, clock=clock)
+    assert holder.sync() is None
+    holder.state.participants[node], holder.state.last_heartbeats[node] = 0, NOW
+    holder.mark_dirty()
+    assert holder.sync() is True
+    meta = raw_client(own_etcd).get(f"{prefix}state")[1]
+    clock.advance(15)  # a rewrite is due
+    writes = store._writes
+    sent = writes._sent
+
+    def never_sent(*args, **kwargs):
+        writes._sent = sent
+        raise EtcdConnectionError("lost before etcd saw it, the client cannot tell (test)")
+
+    writes._sent = never_sent
+    assert _keep_alive(holder, node, NOW + timedelta(seconds=1)) is False
+    assert raw_client(own_etcd).get(f"{prefix}state")[1].mod_revision == meta.mod_revision
+    assert _keep_alive(holder, node, NOW + timedelta(seconds=1)) is True  # torch retries
+    assert raw_client(own_etcd).get(f"{prefix}state")[1].mod_revision > meta.mod_revision
 
 
 def test_a_keep_alive_on_a_replaced_rendezvous_gets_the_new_instance(store):
@@ -375,3 +505,13 @@ def test_node_names_are_one_path_segment_and_values_round_trip():
     for bad in (b"", b"{}", b'{"last_heartbeat": 5}', b'{"last_heartbeat": "2026-01-01"}',
                 b"\xff"):
         assert heartbeats.parse_heartbeat(bad) is None
+
+
+def test_runs_cover_dropped_names_and_never_a_survivor():
+    assert heartbeats.runs([], ["a"]) == []
+    assert heartbeats.runs(["b", "a"], []) == [("a", "b")]
+    assert heartbeats.runs(["a", "c", "d"], ["b", "e"]) == [("a", "a"), ("c", "d")]
+    assert heartbeats.runs(["a", "b"], ["b"]) == [("a", "a")]  # in both: a survivor
+    host = [heartbeats.node_name(_NodeDesc("10.0.0.7", pid, 0)) for pid in (9, 10, 11)]
+    other = [heartbeats.node_name(_NodeDesc("10.0.0.70", 5, 0))]
+    assert heartbeats.runs(host, other) == [(host[1], host[0])]  # "_10_" < "_11_" < "_9_"

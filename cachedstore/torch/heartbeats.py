@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import json
 import pickle
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 from urllib.parse import quote
 
 __all__ = ["HEARTBEATS", "decode", "heartbeat_key", "heartbeat_value", "merge",
-           "node_name", "parse_heartbeat", "structure"]
+           "node_name", "parse_heartbeat", "runs", "structure"]
 
 #: The directory of the heartbeat keys, relative to the run's prefix.
 HEARTBEATS = "heartbeats/"
@@ -99,3 +100,28 @@ def merge(state: Any, beats: dict[str, datetime]) -> bool:
             last[node] = newer
             moved = True
     return moved
+
+
+def runs(dropped: Iterable[str], survivors: Iterable[str]) -> list[tuple[str, str]]:
+    """The node names of ``dropped`` as few ranges ``(first, last)`` (both included, in
+    etcd's key order) as cover them without covering a name of ``survivors``: a guard
+    "no key in these ranges changed" over the dropped nodes that no surviving node's
+    keep-alive can make fail. Nodes of one host (one address) sort together, so a host
+    that died is one range."""
+    alive = set(survivors)
+    gone = set(dropped) - alive  # a name in both is a survivor's: never covered
+    order = sorted(gone | alive, key=str.encode)
+    found: list[tuple[str, str]] = []
+    first: str | None = None
+    last = ""
+    for name in order:
+        if name in gone:
+            if first is None:
+                first = name
+            last = name
+        elif first is not None:
+            found.append((first, last))
+            first = None
+    if first is not None:
+        found.append((first, last))
+    return found

@@ -10,7 +10,8 @@ Keys of a run, under ``<prefix><run_id>/`` (one :class:`~cachedstore.EtcdStore` 
 
 - ``state``: torch's rendezvous state, behind a header naming the rendezvous *instance*
   (a random id drawn when the key is created). It sits on a lease and disappears
-  ``ttl`` to ``1.5 × ttl`` after its last write.
+  ``ttl`` to ``1.5 × ttl`` after the last keep-alive (keep-alives rewrite it before its
+  lease runs out).
 - ``heartbeats/<instance>/<node>``: each node's last keep-alive (JSON, see
   :mod:`cachedstore.torch.heartbeats`), on the same lease; merged into the state torch
   reads, so that keep-alives never race each other on ``state``.
@@ -80,6 +81,15 @@ LIMITS: dict[str, tuple[float | None, float]] = {
 _VIEWS = 16
 #: torch's default ``keep_alive_interval`` (seconds): ``ttl`` must be at least twice it.
 _KEEP_ALIVE_DEFAULT = 5.0
+#: The leases a backend grants last ``_LEASE × ttl``; it takes a new one every ``ttl / 2``,
+#: so a key it writes has at least ``ttl`` left.
+_LEASE = 1.5
+#: A keep-alive rewrites the state key once its lease has at most ``_REWRITE × ttl`` left:
+#: at least ``ttl / 4`` after it was written, and at least ``ttl / 4`` before it expires
+#: (``ttl`` ≥ 2 keep-alive intervals), so the next keep-alive of any agent is in time.
+_REWRITE = 0.75
+#: How many lease expiries a backend remembers (its own and those it asked etcd for).
+_LEASES = 32
 
 
 def _encode(instance: str, state: bytes) -> bytes:
@@ -92,6 +102,83 @@ def _decode(value: bytes) -> tuple[str, bytes]:
     if value.startswith(_MAGIC) and len(value) >= _HEADER and value[_HEADER - 1:_HEADER] == b"\n":
         return value[len(_MAGIC):_HEADER - 1].decode("ascii", "replace"), value[_HEADER:]
     return "foreign", value
+
+
+#: ``put_many_if``'s ``unchanged_since``: name prefixes and name ranges → revision.
+_Scopes = dict[str | bytes | tuple[str | bytes, str | bytes], int]
+
+
+class _Leases:
+    """The leases a backend attaches its keys to, and how long leases last.
+
+    It grants a lease of ``1.5 × ttl`` and reuses it for ``ttl / 2``, so a key written with
+    it has at least ``ttl`` left. It knows when its own leases expire (from when it asked
+    for them) and learns it for another agent's lease from etcd (one LeaseTimeToLive per
+    lease, remembering the last 32). Thread-safe."""
+
+    def __init__(self, store: EtcdStore, ttl: float, clock: Clock) -> None:
+        self._store = store
+        self._ttl = ttl
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._lease_id = 0
+        self._renew_at = 0.0
+        #: lease id → the clock's time by which it expires at the earliest
+        self._expiries: dict[int, float] = {}
+
+    def current(self) -> int:
+        """The lease to attach keys to: granted anew every ``ttl / 2`` (one request).
+        Raises RendezvousConnectionError when etcd cannot grant it."""
+        with self._lock:
+            now = self._clock.monotonic()
+            if self._lease_id and now < self._renew_at:
+                return self._lease_id
+        granted = math.ceil(self._ttl * _LEASE)
+        try:
+            lease = self._store.grant_lease(granted)
+        except CachedStoreError as exc:
+            raise RendezvousConnectionError(
+                f"etcd-v3 rendezvous: granting a lease failed: {exc}") from exc
+        self._expire_at(lease, now + granted)  # asked at ``now``: it expires later
+        with self._lock:
+            self._lease_id = lease
+            self._renew_at = now + self._ttl / 2
+        return lease
+
+    def forget(self, lease: int) -> None:
+        """``lease`` vanished (expired or revoked): the next :meth:`current` grants one."""
+        with self._lock:
+            if self._lease_id == lease:
+                self._lease_id = 0
+            self._expiries.pop(lease, None)
+
+    def expiring(self, lease: int) -> bool:
+        """Whether a key on ``lease`` has at most ``_REWRITE × ttl`` left (0: no lease, it
+        never expires). Another agent's lease costs one LeaseTimeToLive the first time;
+        when etcd cannot say, the answer is yes: a rewrite costs a put, an expired state
+        the run."""
+        if not lease:
+            return False
+        with self._lock:
+            expiry = self._expiries.get(lease)
+        if expiry is None:
+            asked = self._clock.monotonic()
+            try:
+                left = self._store.lease_time_to_live(lease)
+            except CachedStoreError:
+                return True
+            if left is None:
+                return True  # expired or revoked under us: put it back
+            # etcd rounds the seconds left up; counted from before the question: earliest
+            expiry = asked + max(left[0] - 1, 0)
+            self._expire_at(lease, expiry)
+        return expiry - self._clock.monotonic() <= _REWRITE * self._ttl
+
+    def _expire_at(self, lease: int, expiry: float) -> None:
+        with self._lock:
+            self._expiries[lease] = expiry
+            while len(self._expiries) > _LEASES:
+                del self._expiries[next(iter(self._expiries))]
 
 
 class _View:
@@ -129,19 +216,23 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
     - ``set_state`` of a state that differs from the one handed out with ``token`` only in
       heartbeat times (a keep-alive) puts the changed nodes' heartbeat keys, if the state
       key is still at the token's ``mod_revision``: one Txn that no other keep-alive can
-      make fail.
+      make fail. Once the state key's lease has ``3/4 × ttl`` or less left, the keep-alive
+      also rewrites the state key as it is, on this backend's lease.
     - Any other change is a compare-and-swap of the state key on that ``mod_revision``,
       which also fails if a node the change drops (torch drops a node whose heartbeat is
-      old) heartbeat since the token was read, and which deletes the dropped nodes'
-      heartbeat keys.
+      old) heartbeat since the token was read (guarded by key ranges that cover the
+      dropped nodes' heartbeat keys and no surviving node's: one per dead host, or the
+      whole directory when there are more ranges than a Txn compares), and which deletes
+      the heartbeat keys of nodes the state no longer has.
 
     Either write returns the state read back in the same Txn, with a new token. A token is
     ``(state key's mod_revision, revision read at)``; one the backend did not hand out
     recently (it keeps the last 16) costs a read first. The keys are attached to a
     lease, so an abandoned rendezvous disappears: they expire between ``ttl`` and
-    ``1.5 × ttl`` after the last write (a backend reuses one lease of ``1.5 × ttl`` for
-    ``ttl / 2``, so that a heartbeat every few seconds does not create a lease each time).
-    ``ttl`` defaults to two hours, like torch's etcd backend.
+    ``1.5 × ttl`` after the last keep-alive (a backend reuses one lease of ``1.5 × ttl``
+    for ``ttl / 2``, so that a heartbeat every few seconds does not create a lease each
+    time), while a rendezvous that any agent keeps alive at least every ``ttl / 4`` does
+    not. ``ttl`` defaults to two hours, like torch's etcd backend.
 
     The stored state carries the rendezvous instance (see the module docstring);
     :attr:`instance` is the one of the state last read or written, the scope of the run's
@@ -151,7 +242,10 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         store: the :class:`~cachedstore.EtcdStore` of the run (not closed here).
         run_id: the rendezvous id (``--rdzv-id``), for messages.
         ttl: seconds, finite and > 0; None means two hours.
-        clock: times the lease renewal.
+        clock: times the lease renewal and the state key's rewrite.
+
+    Raises ValueError for an empty ``run_id``, a bad ``ttl`` or a store whose
+    ``max_txn_ops`` is below 3.
 
     Thread-safe (torch calls it from the agent's main thread and its keep-alive timer).
     Raises ``RendezvousConnectionError`` when etcd cannot be reached.
@@ -165,18 +259,16 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             raise ValueError("The run id must be a non-empty string.")
         if ttl is not None and not (0 < ttl < math.inf):
             raise ValueError(f"ttl must be a finite number of seconds > 0, got {ttl!r}")
+        if store.config.max_txn_ops < 3:
+            raise ValueError(f"the store's max_txn_ops must be at least 3 (a guarded write "
+                             f"and its read-back), got {store.config.max_txn_ops}")
         self._store = store
         self._run_id = run_id
         self._ttl = float(ttl) if ttl is not None else self.DEFAULT_TTL
-        self._clock = clock
         self._lock = threading.Lock()
-        self._lease_id = 0
-        self._lease_renew_at = 0.0
+        self._leases = _Leases(store, self._ttl, clock)
         self._instance: str | None = None
         self._views: dict[tuple[int, int], _View] = {}  # the last _VIEWS handed out
-        #: (the state key's newest mod_revision seen, the clock's time it was first seen
-        #: or None when its age is not known yet)
-        self._state_seen: tuple[int, float | None] | None = None
 
     @property
     def name(self) -> str:
@@ -206,11 +298,9 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         return f"store/{instance}/"
 
     # -- reading ------------------------------------------------------------------------
-    def _remember(self, found: Versioned, snap: Snapshot, beats_read: bool,
-                  written: bool = False) -> _View:
+    def _remember(self, found: Versioned, snap: Snapshot, beats_read: bool) -> _View:
         """The view of a snapshot holding the state key (and, if ``beats_read``, the
-        heartbeat keys of its instance); kept for its token. ``written``: this backend
-        just wrote the state key (so its age is known: none)."""
+        heartbeat keys of its instance); kept for its token."""
         instance, bits = _decode(found.value)
         state = heartbeats.decode(bits)
         beats: dict[str, int] = {}
@@ -228,14 +318,8 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
                 bits = pickle.dumps(state)
         view = _View(instance, (found.mod_revision, snap.revision), bytes(found.value),
                      found.lease, bits, state, beats)
-        now = self._clock.monotonic()
         with self._lock:
             self._instance = instance
-            seen = self._state_seen
-            if written or (seen is not None and found.mod_revision > seen[0]):
-                self._state_seen = (found.mod_revision, now)
-            elif seen is None:
-                self._state_seen = (found.mod_revision, None)  # age unknown
             self._views[view.token] = view
             while len(self._views) > _VIEWS:
                 del self._views[next(iter(self._views))]
@@ -292,7 +376,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         horizon = token[1]  # the revision the writer's view was read at
         limit = self._store.config.max_txn_ops
         expect: dict[str, int] = {STATE: view.token[0]}
-        quiet: dict[str, int] = {}
+        quiet: _Scopes = {}
         puts: dict[str, bytes] = {}
         deletes: list[str] = []
         old = view.state
@@ -306,73 +390,48 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
                         heartbeats.heartbeat_value(node, at)
             if len(puts) > limit - 3:  # not a keep-alive torch makes: write it whole
                 puts = {STATE: _encode(view.instance, state)}
-            elif puts and self._state_ageing(view):
+            elif puts and self._leases.expiring(view.lease):
                 # Keep-alives leave the state key (and its lease) alone: rewrite it as it
                 # is, on this backend's lease, before the lease it is on runs out.
                 puts[STATE] = view.raw
         else:
             puts[STATE] = _encode(view.instance, state)
             if new is not None and old is not None:
+                directory = f"{heartbeats.HEARTBEATS}{view.instance}/"
                 alive = {heartbeats.node_name(n) for n in new.last_heartbeats}
-                dropped = [n for n in old.last_heartbeats if n not in new.last_heartbeats]
-                if len(dropped) < limit:
-                    # Each node this change drops (dead in the writer's view): it fails if
-                    # one of them heartbeat after the writer read the state.
-                    for node in dropped:
-                        key = heartbeats.heartbeat_key(view.instance, node)
-                        expect[key] = view.beats.get(heartbeats.node_name(node), 0)
-                        if expect[key] > horizon:
-                            return view.bits, view.token, False
-                else:  # too many compares: no heartbeat at all since the writer read
-                    quiet[f"{heartbeats.HEARTBEATS}{view.instance}/"] = horizon
+                dropped = {heartbeats.node_name(n) for n in old.last_heartbeats} - alive
+                if any(view.beats.get(name, 0) > horizon for name in dropped):
+                    return view.bits, view.token, False  # one heartbeat since the writer read
+                # The change fails if a node it drops (dead in the writer's view) heartbeat
+                # after the writer read: no key changed since then in the ranges that cover
+                # the dropped nodes' keys and no surviving node's (one per dead host).
+                ranges = heartbeats.runs(dropped, alive)
+                if len(ranges) < limit:
+                    for first, last in ranges:
+                        quiet[(directory + first, directory + last)] = horizon
+                else:  # more ranges than a Txn compares: the whole directory
+                    quiet[directory] = horizon
                 # Delete the keys of nodes the state no longer has (those dropped now,
                 # and any left over), as many as the Txn takes.
-                deletes = [f"{heartbeats.HEARTBEATS}{view.instance}/{name}"
-                           for name in view.beats if name not in alive][:(limit - 3) // 2]
+                deletes = [directory + name for name in view.beats
+                           if name not in alive][:(limit - 3) // 2]
         return self._write(view.instance, expect, puts, deletes, quiet)
 
-    def _state_ageing(self, view: _View) -> bool:
-        """Whether the state key of ``view`` was put ``ttl / 2`` ago or more (its lease
-        lasts ``1.5 × ttl``): by this backend's clock since it wrote or first saw that
-        ``mod_revision``; the first time, by its lease's age (one request, once)."""
-        revision = view.token[0]
-        with self._lock:
-            seen = self._state_seen
-        if seen is None or seen[0] != revision:
-            return False  # a newer state exists: this write's guard fails anyway
-        if seen[1] is None:  # first seen by this backend: ask etcd how old its lease is
-            if not view.lease:
-                return False  # on no lease: it does not expire
-            try:
-                left = self._store.lease_time_to_live(view.lease)
-            except CachedStoreError as exc:
-                raise RendezvousConnectionError(
-                    f"etcd-v3 rendezvous: reading the state key's lease failed: {exc}"
-                ) from exc
-            if left is None:
-                return True  # expired under us: put it back
-            age = left[1] - left[0]
-            with self._lock:
-                if self._state_seen == seen:
-                    self._state_seen = (revision, self._clock.monotonic() - age)
-            return age >= self._ttl / 2
-        return self._clock.monotonic() - seen[1] >= self._ttl / 2
-
     def _write(self, instance: str, expect: dict[str, int], puts: dict[str, bytes],
-               deletes: list[str], quiet: dict[str, int] | None = None
+               deletes: list[str], quiet: _Scopes | None = None
                ) -> tuple[bytes, Token, bool] | None:
         """One guarded Txn, reading back the state and the heartbeat keys of
         ``instance``."""
         prefixes = [f"{heartbeats.HEARTBEATS}{instance}/"]
         for attempt in range(2):
-            lease = self._lease() if puts else 0
+            lease = self._leases.current() if puts else 0
             try:
                 ok, snap = self._store.put_many_if(expect, puts, deletes, lease=lease,
                                                    names=[STATE], prefixes=prefixes,
                                                    unchanged_since=quiet)
             except LeaseNotFoundError:
                 if attempt == 0:
-                    self._forget_lease(lease)  # expired or revoked under us: take a new one
+                    self._leases.forget(lease)  # expired or revoked under us: take a new one
                     continue
                 raise RendezvousStateError(
                     "etcd-v3 rendezvous: the state key's lease keeps vanishing") from None
@@ -387,16 +446,16 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             if _decode(found.value)[0] != instance:  # replaced by another instance
                 view = self._read_view()
                 return None if view is None else (view.bits, view.token, False)
-            view = self._remember(found, snap, beats_read=True,
-                                  written=ok and STATE in puts)
+            view = self._remember(found, snap, beats_read=True)
             return view.bits, view.token, ok
         raise RendezvousStateError("etcd-v3 rendezvous: the state key's lease keeps vanishing")
 
     def _after_unknown_outcome(self, expect: dict[str, int], puts: dict[str, bytes],
                                exc: Exception) -> tuple[bytes, Token, bool] | None:
-        """The Txn may or may not have been applied: read the keys and decide. The values
-        written carry the instance and microsecond times, so equal bytes mean our write
-        landed."""
+        """The Txn may or may not have been applied: read the keys and decide. Heartbeat
+        values carry microsecond times (and a new state its instance or torch's change), so
+        equal bytes mean our write landed; a state key rewritten as it was landed if its
+        heartbeat keys (written in the same Txn) did."""
         try:
             view = self._read_view()
             landed = self._store.read_many([n for n in puts if n != STATE] or [STATE]).found
@@ -405,35 +464,14 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
                 f"etcd-v3 rendezvous: writing {self.key!r} failed: {exc}") from exc
         if view is None:
             return None
-        if STATE in puts:
-            ok = view.raw == puts[STATE]
-        elif puts:
-            ok = all(n in landed and landed[n].value == data for n, data in puts.items())
+        beats = {n: data for n, data in puts.items() if n != STATE}
+        if beats:
+            ok = all(n in landed and landed[n].value == data for n, data in beats.items())
+        elif STATE in puts:
+            ok = view.raw == puts[STATE] and view.token[0] != expect[STATE]
         else:
             ok = view.token[0] == expect[STATE]
         return view.bits, view.token, ok
-
-    def _lease(self) -> int:
-        """A lease id to attach the state to, granted anew every ``ttl / 2``."""
-        with self._lock:
-            now = self._clock.monotonic()
-            if self._lease_id and now < self._lease_renew_at:
-                return self._lease_id
-        try:
-            lease = self._store.grant_lease(math.ceil(self._ttl * 1.5))
-        except CachedStoreError as exc:
-            raise RendezvousConnectionError(
-                f"etcd-v3 rendezvous: granting a lease failed: {exc}") from exc
-        with self._lock:
-            self._lease_id = lease
-            self._lease_renew_at = now + self._ttl / 2
-        return lease
-
-    def _forget_lease(self, lease: int) -> None:
-        with self._lock:
-            if self._lease_id == lease:
-                self._lease_id = 0
-
 
 # -- parameters ---------------------------------------------------------------------------
 def _endpoints(endpoint: str | None) -> list[str]:
