@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 from . import counters, etcdapi
 from .errors import InvalidInputError, InvalidTypeError
-from .keys import REQUEST_OVERHEAD, prefix_range_end, to_value
+from .keys import REQUEST_OVERHEAD, int64, prefix_range_end, to_value
 from .writes import Versioned, Writer
 
 __all__ = ["Snapshot", "put_many_if", "read_many"]
@@ -117,9 +117,10 @@ def put_many_if(writer: Writer, expect: Mapping[Any, int],
     """If every key of ``expect`` was last modified at the revision given (0: the key is
     absent) and no key of ``unchanged_since`` was modified after the revision given (a
     name there stands for every key it is a prefix of; a pair ``(first, last)`` for every
-    key from ``first`` to ``last``, both included), put ``puts`` (attached to ``lease`` if non-zero) and delete
-    ``deletes``, then read ``names`` and ``prefixes``; otherwise only read them. One Txn;
-    a raft proposal whether or not the guard holds (etcd writes any Txn that may write).
+    key from ``first`` to ``last``, both included), put ``puts`` (attached to ``lease`` if
+    non-zero) and delete ``deletes``, then read ``names`` and ``prefixes``; otherwise only
+    read them. One Txn; a raft proposal whether or not the guard holds (etcd writes any
+    Txn that may write).
 
     Returns ``(True, the snapshot after the writes)`` or ``(False, the snapshot)``; when
     the snapshot found a counter, it is read again by :func:`read_many` (at a later
@@ -127,15 +128,14 @@ def put_many_if(writer: Writer, expect: Mapping[Any, int],
     unknown). InvalidInputError for a bad name, a name both put and deleted, more
     operations than a Txn takes, more bytes than a request takes or a range whose
     ``first`` sorts after its ``last``; InvalidTypeError for a revision or lease that is
-    not an int ≥ 0 or a range that is not a pair of names; LeaseNotFoundError if the
-    lease expired."""
+    not an int from 0 to 2**63 - 1 or a range that is not a pair of names;
+    LeaseNotFoundError if the lease expired."""
     keys = writer._keys
     names, prefixes = list(names), list(prefixes)
     quiet = dict(unchanged_since or {})
     for what, number in [("lease", lease), *(("mod_revision", r) for r in expect.values()),
                          *(("revision", r) for r in quiet.values())]:
-        if isinstance(number, bool) or not isinstance(number, int) or number < 0:
-            raise InvalidTypeError(f"{what} must be an int >= 0, got {number!r}")
+        int64(number, what)
     compares = []
     size = 0
     for name, revision in expect.items():

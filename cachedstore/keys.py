@@ -50,6 +50,16 @@ def to_value(value: object, what: str = "value") -> bytes:
     raise InvalidTypeError(f"{what} must be str or bytes, not {type(value).__name__}")
 
 
+def int64(number: object, what: str, *, least: int = 0) -> int:
+    """``number`` if it is an int from ``least`` to 2**63 - 1 (etcd's revisions and lease
+    ids are int64), else InvalidTypeError naming ``what``."""
+    if isinstance(number, bool) or not isinstance(number, int) \
+            or not least <= number < 2**63:
+        raise InvalidTypeError(f"{what} must be an int from {least} to 2**63 - 1, "
+                               f"got {number!r}")
+    return number
+
+
 def prefix_range_end(prefix: bytes) -> bytes:
     """The etcd ``range_end`` that, with ``key=prefix``, covers every key under ``prefix``."""
     end = bytearray(prefix)

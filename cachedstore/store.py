@@ -562,7 +562,8 @@ class EtcdStore:
         Returns ``(True, the new Versioned)`` on success, else ``(False, the current
         Versioned or None if absent)``. One Txn; not re-sent once it may have reached etcd
         (EtcdConnectionError then says the outcome is unknown). LeaseNotFoundError if the
-        lease expired. Blocks for the round trip. Thread-safe, atomic across processes."""
+        lease expired; InvalidTypeError for a revision or lease that is not an int from 0
+        to 2**63 - 1. Blocks for the round trip. Thread-safe, atomic across processes."""
         return self._writes.put_if(name, value, mod_revision, lease)
 
     def read_many(self, names: Iterable[Name] = (), prefixes: Iterable[Name] = ()
@@ -594,8 +595,8 @@ class EtcdStore:
         re-sent once it may have reached etcd (EtcdConnectionError: outcome unknown).
         InvalidInputError for a bad name, a name both put and deleted, more operations or
         bytes than one Txn takes, or a range whose first name sorts after its last;
-        InvalidTypeError for a revision or lease that is not an int ≥ 0; LeaseNotFoundError
-        if the lease expired. Blocks for the round trip. Thread-safe."""
+        InvalidTypeError for a revision or lease that is not an int from 0 to 2**63 - 1;
+        LeaseNotFoundError if the lease expired. Blocks for the round trip. Thread-safe."""
         return guarded.put_many_if(self._writes, expect, puts, deletes, lease=lease,
                                    names=names, prefixes=prefixes,
                                    unchanged_since=unchanged_since)
@@ -614,7 +615,8 @@ class EtcdStore:
 
     def revoke_lease(self, lease: int) -> None:
         """Revoke ``lease``: every key attached to it is deleted. A lease that no longer
-        exists is not an error. One request; blocks for it. Thread-safe."""
+        exists is not an error. One request; blocks for it. InvalidTypeError unless
+        ``lease`` is an int from 1 to 2**63 - 1. Thread-safe."""
         self._writes.revoke_lease(lease)
 
     # -- queues and key listing (cachedstore.queues) ------------------------------------

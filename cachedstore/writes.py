@@ -22,10 +22,9 @@ from .counters import parse_int
 from .errors import (
     EtcdError,
     InvalidInputError,
-    InvalidTypeError,
     LeaseNotFoundError,
 )
-from .keys import REQUEST_OVERHEAD, KeySpace, to_value
+from .keys import REQUEST_OVERHEAD, KeySpace, int64, to_value
 
 __all__ = ["Versioned", "Writer"]
 
@@ -327,9 +326,8 @@ class Writer:
         canonical, key = self._target(name)
         data = _plain(value)
         self._keys.check_size(key, data)
-        for what, number in (("mod_revision", mod_revision), ("lease", lease)):
-            if isinstance(number, bool) or not isinstance(number, int) or number < 0:
-                raise InvalidTypeError(f"{what} must be an int >= 0, got {number!r}")
+        int64(mod_revision, "mod_revision")
+        int64(lease, "lease")
         self._check_open()
         compare = etcdapi.unmodified(key, mod_revision) if mod_revision \
             else etcdapi.absent(key)
@@ -354,8 +352,7 @@ class Writer:
         return int(response.ID)
 
     def lease_time_to_live(self, lease: int) -> tuple[int, int] | None:
-        if isinstance(lease, bool) or not isinstance(lease, int) or not 0 < lease < 2**63:
-            raise InvalidTypeError(f"lease must be an int from 1 to 2**63 - 1, got {lease!r}")
+        int64(lease, "lease", least=1)
         self._check_open()
         response = self._conn.call("lease_time_to_live", etcdapi.lease_time_to_live(lease),
                                    deadline=self._conn.deadline())
@@ -364,6 +361,7 @@ class Writer:
         return int(response.TTL), int(response.grantedTTL)
 
     def revoke_lease(self, lease: int) -> None:
+        int64(lease, "lease", least=1)
         self._check_open()
         try:
             self._conn.call("lease_revoke", etcdapi.lease_revoke(lease),

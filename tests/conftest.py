@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from benchmarks.fanout.etcd_metrics import SettledSampler
 from cachedstore.server import LocalEtcd
 
 
@@ -17,6 +18,21 @@ def etcd() -> Iterator[LocalEtcd]:
     """One etcd member shared by the whole session; use the ``prefix`` fixture for keys."""
     with LocalEtcd() as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def own_etcd() -> Iterator[LocalEtcd]:
+    """An etcd for the requesting module alone: its /metrics count only that module's
+    traffic."""
+    with LocalEtcd() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def settled(own_etcd: LocalEtcd) -> Iterator[SettledSampler]:
+    """Samples of ``own_etcd`` that count every proposal committed before them."""
+    with SettledSampler(own_etcd.endpoint, own_etcd.metrics_url) as sampler:
+        yield sampler
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -27,20 +27,6 @@ from tests.util import eventually, raw_client
 pytestmark = pytest.mark.timeout(180)
 
 W = 64
-
-
-@pytest.fixture(scope="module")
-def own_etcd() -> Iterator[LocalEtcd]:
-    """An etcd for this module alone: its /metrics count only these tests' traffic."""
-    with LocalEtcd() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def settled(own_etcd: LocalEtcd) -> Iterator[SettledSampler]:
-    """Samples of ``own_etcd`` that count every proposal committed before them."""
-    with SettledSampler(own_etcd.endpoint, own_etcd.metrics_url) as sampler:
-        yield sampler
 
 
 def _stores(server: LocalEtcd, prefix: str, n: int, cls: Any = EtcdStore, **kwargs: Any

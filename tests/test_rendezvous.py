@@ -89,12 +89,18 @@ def test_the_upper_bounds_are_accepted_and_finite():
         assert math.isfinite(upper) and (default is None or 0 < default <= upper)
 
 
-def test_a_ttl_below_twice_the_keep_alive_interval_is_refused():
+def test_a_ttl_shorter_than_keep_alives_need_is_refused():
+    """ttl ≥ 4 keep-alive intervals (the state key is rewritten at 3/4 × ttl left) and ≥
+    torch's dead-node time (a node's heartbeat key must outlive it)."""
     dead = f"127.0.0.1:{free_port()}"
-    with pytest.raises(ValueError, match="ttl=9 is below twice keep_alive_interval"):
-        create_rdzv_handler(_params(dead, "job", ttl="9"))  # torch's default: 5 s
-    with pytest.raises(ValueError, match="ttl=30 is below twice keep_alive_interval"):
-        create_rdzv_handler(_params(dead, "job", ttl="30", keep_alive_interval="20"))
+    with pytest.raises(ValueError, match=r"ttl=19 is below 20 s, the larger of 4 × "):
+        create_rdzv_handler(_params(dead, "job", ttl="19"))  # torch's default: 5 s
+    with pytest.raises(ValueError, match="ttl=60 is below 80 s"):
+        create_rdzv_handler(_params(dead, "job", ttl="60", keep_alive_interval="20"))
+    with pytest.raises(ValueError, match="ttl=40 is below 50 s"):
+        create_rdzv_handler(_params(dead, "job", ttl="40", keep_alive_max_attempt="10"))
+    with pytest.raises(ValueError, match="keep_alive_max_attempt='x' is not an integer"):
+        create_rdzv_handler(_params(dead, "job", keep_alive_max_attempt="x"))
 
 
 @pytest.mark.parametrize("run_id", ["a/b", "../x", "a\0b"])

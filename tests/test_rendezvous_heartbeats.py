@@ -22,9 +22,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _NodeDesc,
     _RendezvousState,
 )
-from util import raw_client
+from util import eventually, raw_client
 
-from benchmarks.fanout.etcd_metrics import SettledSampler
 from cachedstore import EtcdConnectionError, EtcdStore
 from cachedstore.clock import FakeClock
 from cachedstore.server import LocalEtcd
@@ -34,18 +33,6 @@ pytestmark = pytest.mark.timeout(120)
 
 AGENTS = 64
 NOW = datetime.now(timezone.utc)
-
-
-@pytest.fixture(scope="module")
-def own_etcd() -> Iterator[LocalEtcd]:
-    with LocalEtcd() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def settled(own_etcd: LocalEtcd) -> Iterator[SettledSampler]:
-    with SettledSampler(own_etcd.endpoint, own_etcd.metrics_url) as sampler:
-        yield sampler
 
 
 @pytest.fixture
@@ -78,6 +65,19 @@ def _create(store: EtcdStore, nodes: list[_NodeDesc], at: datetime
         holder.state.participants[node] = rank
         holder.state.last_heartbeats[node] = at
     holder.state.round, holder.state.complete = 1, True
+    holder.mark_dirty()
+    assert holder.sync() is True
+    return holder
+
+
+def _solo(store: EtcdStore, node: _NodeDesc, clock: FakeClock
+          ) -> _BackendRendezvousStateHolder:
+    """A state with ``node`` alone, written by a backend of ttl 20 on ``clock`` (its lease
+    of 30 s granted at the clock's time)."""
+    holder = _holder(store)
+    holder._backend = EtcdV3RendezvousBackend(store, "hb", ttl=20, clock=clock)
+    assert holder.sync() is None
+    holder.state.participants[node], holder.state.last_heartbeats[node] = 0, NOW
     holder.mark_dirty()
     assert holder.sync() is True
     return holder
@@ -221,24 +221,19 @@ def test_a_state_the_backend_does_not_understand_is_one_compare_and_swap(store, 
 def test_keep_alives_rewrite_the_state_key_before_its_lease_runs_out(store, own_etcd,
                                                                      prefix):
     """Keep-alives leave the state key alone, so its lease would run out 1.5 × ttl after
-    the last other change, in the middle of a run: a keep-alive rewrites it (same bytes,
-    the backend's current lease) once that lease has 3/4 × ttl or less left, counted from
-    when the lease was granted, not from when the key was written."""
+    the last other change, in the middle of a run: a keep-alive rewrites it (the state
+    torch set, on the backend's current lease) once that lease has 3/4 × ttl or less left,
+    counted from when the lease was granted, not from when the key was written."""
     clock = FakeClock()
     node = _node(0)
-    holder = _holder(store)
-    holder._backend = EtcdV3RendezvousBackend(store, "hb", ttl=20, clock=clock)
-    assert holder.sync() is None
-    holder.state.participants[node], holder.state.last_heartbeats[node] = 0, NOW
-    holder.mark_dirty()
-    assert holder.sync() is True  # the lease (30 s) granted at 0
+    holder = _solo(store, node, clock)  # the lease (30 s) granted at 0
     raw = raw_client(own_etcd)
     first = raw.get(f"{prefix}state")[1]
     clock.advance(9)
     holder.state.round = 1  # a change at 9, still on the lease granted at 0
     holder.mark_dirty()
     assert holder.sync() is True
-    value, meta = raw.get(f"{prefix}state")
+    meta = raw.get(f"{prefix}state")[1]
     assert meta.lease_id == first.lease_id
     clock.advance(5.9)  # 14.9: 15.1 s left
     assert _keep_alive(holder, node, NOW + timedelta(seconds=1))
@@ -246,7 +241,9 @@ def test_keep_alives_rewrite_the_state_key_before_its_lease_runs_out(store, own_
     clock.advance(0.1)  # 15: 3/4 × ttl left, 6 s after the write
     assert _keep_alive(holder, node, NOW + timedelta(seconds=2))
     value2, meta2 = raw.get(f"{prefix}state")
-    assert value2 == value and meta2.mod_revision > meta.mod_revision
+    assert meta2.mod_revision > meta.mod_revision
+    stored = pickle.loads(value2[value2.index(b"\n") + 1:])
+    assert stored.round == 1 and stored.last_heartbeats == {node: NOW + timedelta(seconds=2)}
     assert meta2.lease_id != meta.lease_id  # the lease granted anew at ttl / 2
     assert raw.get_lease_info(meta2.lease_id).TTL > 20  # 1.5 × ttl from now
     clock.advance(4.9)
@@ -342,20 +339,27 @@ def test_a_change_dropping_a_dead_host_is_not_failed_by_survivors_keep_alives(
         judge, alive = _holder(small), _holder(small)
         judge.sync()
         alive.sync()
-        dropped = nodes[1::2]  # interleaved with survivors in key order: 8 ranges
-        assert len(heartbeats.runs([heartbeats.node_name(n) for n in dropped],
-                                   [heartbeats.node_name(n) for n in nodes[::2]])) == 8
-        assert _keep_alive(alive, nodes[0], NOW + timedelta(seconds=2))  # a survivor
+        dropped = nodes[1::2]  # interleaved with survivors in key order: 8 runs
+        names = [heartbeats.node_name(n) for n in nodes]
+        runs = heartbeats.runs(names[1::2], names[::2], 7)  # max_txn_ops 8: 7 ranges
+        assert len(heartbeats.runs(names[1::2], names[::2], 8)) == 8 and len(runs) == 7
+        covered = [n for n, name in zip(nodes[::2], names[::2], strict=True)
+                   if any(first <= name <= last for first, last in runs)]
+        assert len(covered) == 1  # joined across one survivor
+        spared = next(n for n in nodes[::2] if n not in covered)
+        assert _keep_alive(alive, covered[0], NOW + timedelta(seconds=2))
         for node in dropped:
             del judge.state.last_heartbeats[node]
             del judge.state.participants[node]
         judge.mark_dirty()
-        assert judge.sync() is False  # the whole directory changed since the read
+        assert judge.sync() is False  # a covered survivor heartbeat since the read
         for node in dropped:
             del judge.state.last_heartbeats[node]
             del judge.state.participants[node]
+        alive.sync()
+        assert _keep_alive(alive, spared, NOW + timedelta(seconds=3))  # not covered
         judge.mark_dirty()
-        assert judge.sync() is True  # nobody heartbeat since this read
+        assert judge.sync() is True
 
 
 def test_a_change_dropping_a_node_that_heartbeat_fails_within_a_range(own_etcd, prefix):
@@ -372,6 +376,20 @@ def test_a_change_dropping_a_node_that_heartbeat_fails_within_a_range(own_etcd, 
         judge.mark_dirty()
         assert judge.sync() is False
         assert set(judge.state.participants) == set(nodes)
+        # Ranges between survivors: host-2 sorts between host-11 and host-3, both
+        # dropped; its keep-alive after the read does not fail the change.
+        dropped = [nodes[1], nodes[10], nodes[11], nodes[3]]
+        assert len(heartbeats.runs([heartbeats.node_name(n) for n in dropped],
+                                   [heartbeats.node_name(nodes[2])], 7)) == 2
+        judge.sync()
+        alive.sync()
+        assert _keep_alive(alive, nodes[2], NOW + timedelta(seconds=2))
+        for node in dropped:
+            del judge.state.last_heartbeats[node]
+            del judge.state.participants[node]
+        judge.mark_dirty()
+        assert judge.sync() is True
+        assert nodes[2] in judge.state.participants and nodes[3] not in judge.state.participants
 
 
 def test_structural_changes_delete_left_over_keys_as_many_as_a_txn_takes(own_etcd, prefix):
@@ -417,17 +435,11 @@ def test_a_keep_alive_whose_answer_was_lost_is_found_by_reading_back(store):
 
 def test_a_rewrite_whose_answer_was_lost_is_judged_by_its_heartbeat_keys(store, own_etcd,
                                                                         prefix):
-    """A keep-alive that also rewrites the state key as it is: reading the state back
-    cannot tell whether it landed (same bytes); its heartbeat key, written in the same Txn,
-    can."""
+    """A keep-alive that also rewrites the state key, whose answer is lost: judged by its
+    heartbeat key, written in the same Txn, whether or not it reached etcd."""
     clock = FakeClock()
     node = _node(0)
-    holder = _holder(store)
-    holder._backend = EtcdV3RendezvousBackend(store, "hb", ttl=20, clock=clock)
-    assert holder.sync() is None
-    holder.state.participants[node], holder.state.last_heartbeats[node] = 0, NOW
-    holder.mark_dirty()
-    assert holder.sync() is True
+    holder = _solo(store, node, clock)
     meta = raw_client(own_etcd).get(f"{prefix}state")[1]
     clock.advance(15)  # a rewrite is due
     writes = store._writes
@@ -440,8 +452,98 @@ def test_a_rewrite_whose_answer_was_lost_is_judged_by_its_heartbeat_keys(store, 
     writes._sent = never_sent
     assert _keep_alive(holder, node, NOW + timedelta(seconds=1)) is False
     assert raw_client(own_etcd).get(f"{prefix}state")[1].mod_revision == meta.mod_revision
+    clock.advance(0.1)
+
+    def answer_lost(names):
+        writes.after_write = None
+        raise EtcdConnectionError("the answer was lost (test)")
+
+    writes.after_write = answer_lost  # etcd applied it; the client cannot tell
     assert _keep_alive(holder, node, NOW + timedelta(seconds=1)) is True  # torch retries
     assert raw_client(own_etcd).get(f"{prefix}state")[1].mod_revision > meta.mod_revision
+
+
+def test_an_unchanged_opaque_state_whose_answer_was_lost_is_judged_by_its_revision(
+        store, own_etcd, prefix):
+    """A state the backend does not understand, set again with the same bytes: read back,
+    the bytes match whether or not the write landed; the key's mod_revision tells."""
+    backend = EtcdV3RendezvousBackend(store, "hb", ttl=600)
+    opaque = pickle.dumps({"not": "torch's state"})
+    bits, token, ok = backend.set_state(opaque)
+    writes = store._writes
+    sent = writes._sent
+
+    def never_sent(*args, **kwargs):
+        writes._sent = sent
+        raise EtcdConnectionError("lost before etcd saw it (test)")
+
+    writes._sent = never_sent
+    assert backend.set_state(opaque, token)[2] is False
+    assert backend.set_state(opaque, token)[2] is True
+
+
+def test_a_drop_judged_without_the_heartbeat_keys_is_refused(store):
+    """A view whose heartbeat keys were not read (the instance changed under each of its
+    reads) has the state key's old times only: a node alive in its heartbeat key looks
+    dead. The change is refused, and torch gets the state read anew, keys merged."""
+    victim, other = _node(1), _node(2)
+    _create(store, [victim, other], NOW - timedelta(minutes=30))
+    peer = _holder(store)
+    peer.sync()
+    assert _keep_alive(peer, victim, datetime.now(timezone.utc))  # alive in its key
+    judge = _holder(store, dead_after=60)
+    backend = judge._backend
+    remember = backend._remember
+
+    def keys_unread(found, snap, beats_read):
+        backend._remember = remember
+        return remember(found, snap, beats_read=False)
+
+    backend._remember = keys_unread
+    judge.sync()  # sees both silent for 30 minutes: torch's sanitiser drops both
+    assert judge.state.participants == {}
+    judge.mark_dirty()
+    assert judge.sync() is False  # refused, and the state read again, keys merged
+    assert set(judge.state.participants) == {victim}  # sanitised again: other only
+    judge.mark_dirty()
+    assert judge.sync() is True
+    reader = _holder(store)
+    reader.sync()
+    assert set(reader.state.participants) == {victim}
+
+
+def test_a_lease_that_aged_is_judged_by_what_etcd_says_is_left(store, own_etcd, prefix):
+    """Another agent's lease: what is left, not what was granted."""
+    node = _node(0)
+    writer = _holder(store)
+    writer._backend = EtcdV3RendezvousBackend(store, "hb", ttl=4)  # a lease of 6 s
+    assert writer.sync() is None
+    writer.state.participants[node], writer.state.last_heartbeats[node] = 0, NOW
+    writer.mark_dirty()
+    assert writer.sync() is True
+    raw = raw_client(own_etcd)
+    meta = raw.get(f"{prefix}state")[1]
+    eventually(lambda: raw.get_lease_info(meta.lease_id).TTL <= 3, timeout=10,
+               what="the state key's lease down to 3/4 × ttl")
+    agent = _holder(store)
+    agent._backend = EtcdV3RendezvousBackend(store, "hb", ttl=4, clock=FakeClock())
+    agent.sync()
+    assert _keep_alive(agent, node, NOW + timedelta(seconds=1))
+    after = raw.get(f"{prefix}state")[1]
+    assert after.mod_revision > meta.mod_revision and after.lease_id != meta.lease_id
+
+
+def test_a_backend_remembers_32_lease_expiries(store, settled):
+    backend = EtcdV3RendezvousBackend(store, "hb", ttl=600)
+    leases = [store.grant_lease(900) for _ in range(40)]
+    before = settled()
+    assert not any(backend._leases.expiring(lease) for lease in leases)
+    assert not any(backend._leases.expiring(lease) for lease in leases[8:])  # remembered
+    assert not backend._leases.expiring(leases[0])  # forgotten: asked again
+    counts = settled().minus(before)
+    assert counts.requests == {"LeaseTimeToLive": 41}
+    for lease in leases:
+        store.revoke_lease(lease)
 
 
 def test_a_keep_alive_on_a_replaced_rendezvous_gets_the_new_instance(store):
@@ -508,10 +610,16 @@ def test_node_names_are_one_path_segment_and_values_round_trip():
 
 
 def test_runs_cover_dropped_names_and_never_a_survivor():
-    assert heartbeats.runs([], ["a"]) == []
-    assert heartbeats.runs(["b", "a"], []) == [("a", "b")]
-    assert heartbeats.runs(["a", "c", "d"], ["b", "e"]) == [("a", "a"), ("c", "d")]
-    assert heartbeats.runs(["a", "b"], ["b"]) == [("a", "a")]  # in both: a survivor
-    host = [heartbeats.node_name(_NodeDesc("10.0.0.7", pid, 0)) for pid in (9, 10, 11)]
-    other = [heartbeats.node_name(_NodeDesc("10.0.0.70", 5, 0))]
-    assert heartbeats.runs(host, other) == [(host[1], host[0])]  # "_10_" < "_11_" < "_9_"
+    assert heartbeats.runs([], ["a"], 4) == []
+    assert heartbeats.runs(["b", "a"], [], 4) == [("a", "b")]
+    assert heartbeats.runs(["a", "c", "d"], ["b", "e"], 4) == [("a", "a"), ("c", "d")]
+    assert heartbeats.runs(["a", "b"], ["b"], 4) == [("a", "a")]  # in both: a survivor
+    # Past the limit, joined across the gaps with the fewest survivors.
+    dropped, alive = ["b", "d", "f", "h"], ["a", "c", "c2", "e", "g", "i"]
+    assert heartbeats.runs(dropped, alive, 2) == [("b", "b"), ("d", "h")]
+    assert heartbeats.runs(dropped, alive, 1) == [("b", "h")]
+    # One host's nodes sort together, also when an address holds "_" or extends another.
+    host = [heartbeats.node_name(_NodeDesc("h_1", pid, 0)) for pid in (9, 10, 11)]
+    others = [heartbeats.node_name(_NodeDesc(addr, 5, 0))
+              for addr in ("h", "h_10", "h_1x", "h_1_2")]
+    assert heartbeats.runs(host, others, 4) == [(host[1], host[0])]  # "_10_" < "_9_"

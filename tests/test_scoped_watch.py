@@ -7,7 +7,6 @@ scopes, and the fall-back to the whole prefix.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -20,13 +19,6 @@ from cachedstore.torch import TorchEtcdStore
 from tests.util import eventually, raw_client, rpc_count
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def own_etcd() -> Iterator[LocalEtcd]:
-    """An etcd for this module alone: its /metrics count only these tests' traffic."""
-    with LocalEtcd() as server:
-        yield server
 
 
 def _store(server: LocalEtcd, prefix: str, **kwargs: Any) -> EtcdStore:

@@ -14,7 +14,8 @@ A *plain etcd client* sees, under the run's prefix:
 
 - ``state``: the instance header and torch's pickled state; its ``last_heartbeats`` can be
   older than the keys';
-- ``heartbeats/<instance>/<addr>_<pid>_<local_id>`` (the address percent-encoded): JSON
+- ``heartbeats/<instance>/<addr>_<pid>_<local_id>`` (the address percent-encoded, ``_``
+  included): JSON
   ``{"node": {"addr": ..., "pid": ..., "local_id": ...}, "last_heartbeat": "<ISO 8601
   UTC>"}``, the node's newest keep-alive.
 
@@ -63,8 +64,11 @@ def structure(state: Any) -> tuple[dict[str, Any], frozenset[Any]]:
 
 
 def node_name(node: Any) -> str:
-    """``<addr>_<pid>_<local_id>`` of a torch ``_NodeDesc``, ``addr`` percent-encoded."""
-    return f"{quote(str(node.addr), safe='')}_{node.pid}_{node.local_id}"
+    """``<addr>_<pid>_<local_id>`` of a torch ``_NodeDesc``, ``addr`` percent-encoded
+    (``_`` too: the names of one address start with ``<addr>_`` and no other's do, so
+    they sort together)."""
+    addr = quote(str(node.addr), safe="").replace("_", "%5F")
+    return f"{addr}_{node.pid}_{node.local_id}"
 
 
 def heartbeat_key(instance: str, node: Any) -> str:
@@ -102,26 +106,43 @@ def merge(state: Any, beats: dict[str, datetime]) -> bool:
     return moved
 
 
-def runs(dropped: Iterable[str], survivors: Iterable[str]) -> list[tuple[str, str]]:
-    """The node names of ``dropped`` as few ranges ``(first, last)`` (both included, in
-    etcd's key order) as cover them without covering a name of ``survivors``: a guard
-    "no key in these ranges changed" over the dropped nodes that no surviving node's
-    keep-alive can make fail. Nodes of one host (one address) sort together, so a host
-    that died is one range."""
+def runs(dropped: Iterable[str], survivors: Iterable[str], limit: int
+         ) -> list[tuple[str, str]]:
+    """At most ``limit`` (≥ 1) ranges ``(first, last)`` of node names (both included, in
+    etcd's key order) that cover every name of ``dropped``: one per run of dropped names
+    between survivors, so that a guard "no key in these ranges changed" over the dropped
+    nodes is not failed by a survivor's keep-alive. Nodes of one host sort together, so a
+    host that died is one run. Past ``limit`` runs, neighbouring runs are joined across the
+    gaps with the fewest survivors (those survivors are then covered too). A name in both
+    is a survivor's."""
     alive = set(survivors)
-    gone = set(dropped) - alive  # a name in both is a survivor's: never covered
-    order = sorted(gone | alive, key=str.encode)
+    gone = set(dropped) - alive
     found: list[tuple[str, str]] = []
+    gaps: list[int] = []  # survivors between found[i] and found[i + 1]
     first: str | None = None
     last = ""
-    for name in order:
+    between = 0
+    for name in sorted(gone | alive, key=str.encode):
         if name in gone:
             if first is None:
+                if found:
+                    gaps.append(between)
                 first = name
             last = name
-        elif first is not None:
-            found.append((first, last))
-            first = None
+        else:
+            if first is not None:
+                found.append((first, last))
+                first, between = None, 0
+            between += 1
     if first is not None:
         found.append((first, last))
-    return found
+    if len(found) <= limit:
+        return found
+    joined = set(sorted(range(len(gaps)), key=gaps.__getitem__)[:len(found) - max(limit, 1)])
+    merged = [found[0]]
+    for i, (start, end) in enumerate(found[1:]):
+        if i in joined:
+            merged[-1] = (merged[-1][0], end)
+        else:
+            merged.append((start, end))
+    return merged

@@ -10,8 +10,8 @@ Keys of a run, under ``<prefix><run_id>/`` (one :class:`~cachedstore.EtcdStore` 
 
 - ``state``: torch's rendezvous state, behind a header naming the rendezvous *instance*
   (a random id drawn when the key is created). It sits on a lease and disappears
-  ``ttl`` to ``1.5 × ttl`` after the last keep-alive (keep-alives rewrite it before its
-  lease runs out).
+  ``3/4 × ttl`` to ``1.5 × ttl`` after the last keep-alive (keep-alives rewrite it before
+  its lease runs out).
 - ``heartbeats/<instance>/<node>``: each node's last keep-alive (JSON, see
   :mod:`cachedstore.torch.heartbeats`), on the same lease; merged into the state torch
   reads, so that keep-alives never race each other on ``state``.
@@ -21,7 +21,7 @@ Keys of a run, under ``<prefix><run_id>/`` (one :class:`~cachedstore.EtcdStore` 
   instance's keys until someone deletes them: ``etcdctl del --prefix <prefix><run_id>/``).
 
 The backend uses the store's public multi-key and lease API (``read_many``,
-``put_many_if``, ``grant_lease``).
+``put_many_if``, ``grant_lease``, ``lease_time_to_live``).
 """
 
 from __future__ import annotations
@@ -79,14 +79,17 @@ LIMITS: dict[str, tuple[float | None, float]] = {
 }
 #: How many handed-out states (tokens) a backend remembers.
 _VIEWS = 16
-#: torch's default ``keep_alive_interval`` (seconds): ``ttl`` must be at least twice it.
+#: torch's default ``keep_alive_interval`` (seconds).
 _KEEP_ALIVE_DEFAULT = 5.0
+#: ``ttl`` must be at least this many keep-alive intervals (see ``_REWRITE``).
+_KEEP_ALIVES_PER_TTL = 4
 #: The leases a backend grants last ``_LEASE × ttl``; it takes a new one every ``ttl / 2``,
 #: so a key it writes has at least ``ttl`` left.
 _LEASE = 1.5
 #: A keep-alive rewrites the state key once its lease has at most ``_REWRITE × ttl`` left:
-#: at least ``ttl / 4`` after it was written, and at least ``ttl / 4`` before it expires
-#: (``ttl`` ≥ 2 keep-alive intervals), so the next keep-alive of any agent is in time.
+#: at least ``ttl / 4`` after it was written. The next keep-alive after one that found
+#: more left must land within ``3/4 × ttl``: ``ttl`` ≥ 4 keep-alive intervals leaves two
+#: intervals for the keep-alives' own time.
 _REWRITE = 0.75
 #: How many lease expiries a backend remembers (its own and those it asked etcd for).
 _LEASES = 32
@@ -169,8 +172,8 @@ class _Leases:
                 return True
             if left is None:
                 return True  # expired or revoked under us: put it back
-            # etcd rounds the seconds left up; counted from before the question: earliest
-            expiry = asked + max(left[0] - 1, 0)
+            # etcd truncates the seconds left; counted from before the question: earliest
+            expiry = asked + max(min(left), 0)
             self._expire_at(lease, expiry)
         return expiry - self._clock.monotonic() <= _REWRITE * self._ttl
 
@@ -185,10 +188,10 @@ class _View:
     """A state the backend handed torch, under the token it handed with it: the state key
     at ``token[0]`` merged with the run's heartbeat keys as of revision ``token[1]``."""
 
-    __slots__ = ("instance", "token", "raw", "lease", "bits", "state", "beats")
+    __slots__ = ("instance", "token", "raw", "lease", "bits", "state", "beats", "beats_read")
 
     def __init__(self, instance: str, token: tuple[int, int], raw: bytes, lease: int,
-                 bits: bytes, state: Any | None, beats: dict[str, int]) -> None:
+                 bits: bytes, state: Any | None, beats: dict[str, int] | None) -> None:
         self.instance = instance
         self.token = token
         #: The state key's stored value, and the lease it is on (0: none).
@@ -198,9 +201,12 @@ class _View:
         self.bits = bits
         #: ``bits`` unpickled, None when the backend does not understand them (opaque).
         self.state = state
-        #: node name → mod_revision of its heartbeat key at ``token[1]`` (empty when the
-        #: keys were not read: then none is assumed to exist, which only makes guards fail).
-        self.beats = beats
+        #: node name → mod_revision of its heartbeat key at ``token[1]``.
+        self.beats = beats or {}
+        #: False when the heartbeat keys were not read (the instance kept changing under
+        #: the reads): ``bits`` has the state key's times only, and a change that drops a
+        #: node on the strength of them is refused (see ``set_state``).
+        self.beats_read = beats is not None
 
 
 class EtcdV3RendezvousBackend(RendezvousBackend):
@@ -217,22 +223,24 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
       heartbeat times (a keep-alive) puts the changed nodes' heartbeat keys, if the state
       key is still at the token's ``mod_revision``: one Txn that no other keep-alive can
       make fail. Once the state key's lease has ``3/4 × ttl`` or less left, the keep-alive
-      also rewrites the state key as it is, on this backend's lease.
+      also rewrites the state key (with the merged times), on this backend's lease.
     - Any other change is a compare-and-swap of the state key on that ``mod_revision``,
       which also fails if a node the change drops (torch drops a node whose heartbeat is
       old) heartbeat since the token was read (guarded by key ranges that cover the
-      dropped nodes' heartbeat keys and no surviving node's: one per dead host, or the
-      whole directory when there are more ranges than a Txn compares), and which deletes
-      the heartbeat keys of nodes the state no longer has.
+      dropped nodes' heartbeat keys and no surviving node's: one per dead host; past
+      ``max_txn_ops - 1`` ranges, neighbours are joined across the fewest survivors), and
+      which deletes the heartbeat keys of nodes the state no longer has.
 
     Either write returns the state read back in the same Txn, with a new token. A token is
     ``(state key's mod_revision, revision read at)``; one the backend did not hand out
     recently (it keeps the last 16) costs a read first. The keys are attached to a
-    lease, so an abandoned rendezvous disappears: they expire between ``ttl`` and
-    ``1.5 × ttl`` after the last keep-alive (a backend reuses one lease of ``1.5 × ttl``
-    for ``ttl / 2``, so that a heartbeat every few seconds does not create a lease each
-    time), while a rendezvous that any agent keeps alive at least every ``ttl / 4`` does
-    not. ``ttl`` defaults to two hours, like torch's etcd backend.
+    lease, so an abandoned rendezvous disappears: a node's heartbeat key ``ttl`` to
+    ``1.5 × ttl`` after its last keep-alive, the state key ``3/4 × ttl`` to ``1.5 × ttl``
+    after the last one (a backend reuses one lease of ``1.5 × ttl`` for ``ttl / 2``, so
+    that a heartbeat every few seconds does not create a lease each time), while a
+    rendezvous that some agent keeps alive at least every ``3/4 × ttl`` does not.
+    ``ttl`` defaults to two hours, like torch's etcd backend (``create_backend`` requires
+    at least 4 keep-alive intervals and torch's dead-node time).
 
     The stored state carries the rendezvous instance (see the module docstring);
     :attr:`instance` is the one of the state last read or written, the scope of the run's
@@ -303,8 +311,8 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         heartbeat keys of its instance); kept for its token."""
         instance, bits = _decode(found.value)
         state = heartbeats.decode(bits)
-        beats: dict[str, int] = {}
-        if state is not None and beats_read:
+        beats: dict[str, int] | None = {} if beats_read else None
+        if state is not None and beats is not None:
             prefix = f"{heartbeats.HEARTBEATS}{instance}/"
             times = {}
             for name, versioned in snap.found.items():
@@ -391,26 +399,26 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             if len(puts) > limit - 3:  # not a keep-alive torch makes: write it whole
                 puts = {STATE: _encode(view.instance, state)}
             elif puts and self._leases.expiring(view.lease):
-                # Keep-alives leave the state key (and its lease) alone: rewrite it as it
-                # is, on this backend's lease, before the lease it is on runs out.
-                puts[STATE] = view.raw
+                # Keep-alives leave the state key (and its lease) alone: rewrite it, with
+                # the times merged in, on this backend's lease before the lease it is on
+                # runs out.
+                puts[STATE] = _encode(view.instance, state)
         else:
             puts[STATE] = _encode(view.instance, state)
             if new is not None and old is not None:
                 directory = f"{heartbeats.HEARTBEATS}{view.instance}/"
                 alive = {heartbeats.node_name(n) for n in new.last_heartbeats}
                 dropped = {heartbeats.node_name(n) for n in old.last_heartbeats} - alive
-                if any(view.beats.get(name, 0) > horizon for name in dropped):
-                    return view.bits, view.token, False  # one heartbeat since the writer read
+                if dropped and not view.beats_read:
+                    # Judged dead on the state key's times alone: not a decision to keep.
+                    latest = self._read_view()
+                    return None if latest is None else (latest.bits, latest.token, False)
                 # The change fails if a node it drops (dead in the writer's view) heartbeat
                 # after the writer read: no key changed since then in the ranges that cover
-                # the dropped nodes' keys and no surviving node's (one per dead host).
-                ranges = heartbeats.runs(dropped, alive)
-                if len(ranges) < limit:
-                    for first, last in ranges:
-                        quiet[(directory + first, directory + last)] = horizon
-                else:  # more ranges than a Txn compares: the whole directory
-                    quiet[directory] = horizon
+                # the dropped nodes' keys and as few surviving nodes' as fit the Txn (none
+                # while there are fewer runs of dropped nodes than it compares).
+                for first, last in heartbeats.runs(dropped, alive, limit - 1):
+                    quiet[(directory + first, directory + last)] = horizon
                 # Delete the keys of nodes the state no longer has (those dropped now,
                 # and any left over), as many as the Txn takes.
                 deletes = [directory + name for name in view.beats
@@ -473,6 +481,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             ok = view.token[0] == expect[STATE]
         return view.bits, view.token, ok
 
+
 # -- parameters ---------------------------------------------------------------------------
 def _endpoints(endpoint: str | None) -> list[str]:
     """``"h1:2379,h2"`` → ``["h1:2379", "h2:2379"]``; empty → ``["localhost:2379"]``."""
@@ -528,6 +537,15 @@ def _keep_alive(params: RendezvousParameters) -> float:
                          f"seconds") from None
 
 
+def _keep_alive_max_attempt(params: RendezvousParameters) -> int:
+    value = _conf(params, "keep_alive_max_attempt")
+    try:
+        return 3 if value is None else int(value)  # torch's default
+    except ValueError:
+        raise ValueError(f"--rdzv-conf keep_alive_max_attempt={value!r} is not an "
+                         f"integer") from None
+
+
 def create_backend(params: RendezvousParameters
                    ) -> tuple[EtcdV3RendezvousBackend, TorchEtcdStore]:
     """The backend and the worker-facing store for ``params`` (see
@@ -556,9 +574,15 @@ def create_backend(params: RendezvousParameters
     ttl = _conf_seconds(params, "ttl")
     assert ttl is not None
     keep_alive = _keep_alive(params)
-    if ttl < 2 * keep_alive:
-        raise ValueError(f"--rdzv-conf ttl={ttl:g} is below twice keep_alive_interval "
-                         f"({keep_alive:g} s): the state would expire between heartbeats")
+    attempts = _keep_alive_max_attempt(params)
+    least = max(_KEEP_ALIVES_PER_TTL * keep_alive, attempts * keep_alive)
+    if ttl < least:
+        raise ValueError(
+            f"--rdzv-conf ttl={ttl:g} is below {least:g} s, the larger of "
+            f"{_KEEP_ALIVES_PER_TTL} × keep_alive_interval ({keep_alive:g} s: a keep-alive "
+            f"rewrites the state when 3/4 × ttl is left, the next must land in time) and "
+            f"keep_alive_interval × keep_alive_max_attempt ({attempts}: torch's time before "
+            f"it declares a node dead, which its heartbeat key must outlive)")
     store_timeout = _conf_seconds(params, "store_timeout")
     request_timeout = _conf_seconds(params, "request_timeout") or _conf_seconds(
         params, "read_timeout")

@@ -141,11 +141,12 @@ class TorchEtcdStore(dist.Store):
     coherent by one watch stream; by default (``watch_scope="touched"``) it watches only
     the keys and directories this store's reads touched -- a rank's own process groups,
     not every group of the job -- and falls back to the whole prefix past ``max_watches``
-    (64) of them. ``watch_scope="prefix"`` watches the whole prefix. Blocking reads (``get`` of a key not yet set,
-    ``wait``, ``multi_get``, ``queue_pop``) wait on that watch, without polling etcd and
-    without a stream per waiter. ``add`` (one Txn that no other ``add`` can make retry),
-    ``compare_set``, ``append``, ``delete_key`` and the queue operations are Txns on etcd:
-    atomic across processes, never answered from a stale cache entry.
+    (64) of them. ``watch_scope="prefix"`` watches the whole prefix. Blocking reads
+    (``get`` of a key not yet set, ``wait``, ``multi_get``, ``queue_pop``) wait on that
+    watch, without polling etcd and without a stream per waiter. ``add`` (one Txn that no
+    other ``add`` can make retry), ``compare_set``, ``append``, ``delete_key`` and the
+    queue operations are Txns on etcd: atomic across processes, never answered from a
+    stale cache entry.
 
     Args:
         host, port: the etcd endpoint, unless ``endpoints`` is given in ``kwargs``.
