@@ -464,6 +464,7 @@ class Connection:
         tls_failures = 0
         n_endpoints = len(self._endpoints)
         mismatch: ClusterMismatchError | None = None
+        retried: grpc.RpcError | None = None  # the transport failure last retried after
         while True:
             index, ep = self.endpoint()
             if ep.foreign is not None:  # every endpoint left is another cluster's
@@ -472,9 +473,13 @@ class Connection:
                     f"cluster than the store's ({', '.join(self.foreign_endpoints)})")
             remaining = deadline - self._clock.monotonic()
             if remaining <= 0:
-                raise _with_mismatch(EtcdConnectionError(
-                    f"etcd {method}: no answer from {', '.join(self.targets)} within the "
-                    f"request timeout"), mismatch, self.foreign_endpoints)
+                # Out of time after a retried failure: that failure is the cause to report
+                # (a refused connection says "unreachable", not merely "no answer").
+                error = translate_rpc_error(retried, method) if retried is not None \
+                    else EtcdConnectionError(f"etcd {method}: no answer from "
+                                             f"{', '.join(self.targets)} within the "
+                                             f"request timeout")
+                raise _with_mismatch(error, mismatch, self.foreign_endpoints)
             # With several endpoints, one black-holed member must not eat the whole budget.
             per_attempt = remaining if n_endpoints == 1 else max(
                 min(remaining, 1.0), remaining / 2)
@@ -523,6 +528,7 @@ class Connection:
                         attempt += 1
                         if self._clock.monotonic() + delay < deadline:
                             self._clock.sleep(delay)
+                            retried = exc
                             continue
                     error = translate_rpc_error(exc, method)
                     if retry != IDEMPOTENT and not unsent and not isinstance(error, TLSError):
