@@ -83,6 +83,19 @@ def _solo(store: EtcdStore, node: _NodeDesc, clock: FakeClock
     return holder
 
 
+def _lose_the_next_request(store: EtcdStore) -> None:
+    """The store's next write fails before etcd sees it, with the error of a request whose
+    outcome the client cannot know."""
+    writes = store._writes
+    sent = writes._sent
+
+    def never_sent(*args: object, **kwargs: object) -> None:
+        writes._sent = sent  # type: ignore[method-assign]
+        raise EtcdConnectionError("lost before etcd saw it, the client cannot tell (test)")
+
+    writes._sent = never_sent  # type: ignore[method-assign]
+
+
 def _keep_alive(holder: _BackendRendezvousStateHolder, node: _NodeDesc,
                 at: datetime) -> bool | None:
     """torch's ``_keep_alive`` and the sync after it."""
@@ -443,13 +456,7 @@ def test_a_rewrite_whose_answer_was_lost_is_judged_by_its_heartbeat_keys(store, 
     meta = raw_client(own_etcd).get(f"{prefix}state")[1]
     clock.advance(15)  # a rewrite is due
     writes = store._writes
-    sent = writes._sent
-
-    def never_sent(*args, **kwargs):
-        writes._sent = sent
-        raise EtcdConnectionError("lost before etcd saw it, the client cannot tell (test)")
-
-    writes._sent = never_sent
+    _lose_the_next_request(store)
     assert _keep_alive(holder, node, NOW + timedelta(seconds=1)) is False
     assert raw_client(own_etcd).get(f"{prefix}state")[1].mod_revision == meta.mod_revision
     clock.advance(0.1)
@@ -470,14 +477,7 @@ def test_an_unchanged_opaque_state_whose_answer_was_lost_is_judged_by_its_revisi
     backend = EtcdV3RendezvousBackend(store, "hb", ttl=600)
     opaque = pickle.dumps({"not": "torch's state"})
     bits, token, ok = backend.set_state(opaque)
-    writes = store._writes
-    sent = writes._sent
-
-    def never_sent(*args, **kwargs):
-        writes._sent = sent
-        raise EtcdConnectionError("lost before etcd saw it (test)")
-
-    writes._sent = never_sent
+    _lose_the_next_request(store)
     assert backend.set_state(opaque, token)[2] is False
     assert backend.set_state(opaque, token)[2] is True
 
