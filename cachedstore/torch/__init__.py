@@ -46,8 +46,10 @@ def create_rdzv_handler(params: RendezvousParameters | None = None) -> Any:
     ``keep_alive_interval``, ...): ``cacert`` (CA bundle; enables TLS), ``cert`` and ``key``
     (client certificate), ``user`` (etcd auth; the password comes from
     ``$CACHEDSTORE_PASSWORD`` or ``password_file``, never from ``--rdzv-conf``),
-    ``prefix`` (default ``/torch/elastic/v3/``), ``ttl`` (seconds the state outlives its
-    last write, default 7200, at least twice ``keep_alive_interval``), ``store_timeout``
+    ``prefix`` (default ``/torch/elastic/v3/``), ``ttl`` (seconds an abandoned
+    rendezvous outlives its last keep-alive, 3/4 × ttl to 1.5 × ttl; default 7200, at least
+    4 × ``keep_alive_interval`` and ``keep_alive_interval`` × ``keep_alive_max_attempt``),
+    ``store_timeout``
     (the store's timeout, default 300 s), ``request_timeout`` and ``connect_timeout``
     (seconds). Every time is checked: finite, > 0, bounded (``rendezvous.LIMITS``).
     torch's etcd-v2 names ``ca_cert``, ``ssl_cert``, ``ssl_cert_key`` and
