@@ -213,6 +213,32 @@ def test_resync_after_compaction(etcd, prefix):
         eventually(lambda: store.get("k") == b"v3", what="following after resync")
 
 
+@pytest.mark.parametrize("max_txn_ops, txns", [(128, 1), (5, 3)])
+def test_a_compaction_resync_reads_the_touched_scopes_in_few_txns(etcd, prefix, max_txn_ops,
+                                                                  txns):
+    """A store watching the keys it touched that finds its resume revision compacted
+    reads them afresh: one Txn of ranges per ``max_txn_ops`` scopes, not a range per
+    scope, and then serves each of them fresh."""
+    raw = raw_client(etcd)
+    names = [f"group{i}/key" for i in range(12)]
+    with open_store(etcd, prefix, watch_scope="touched", max_txn_ops=max_txn_ops) as store:
+        for name in names:
+            store.set(name, "v1")
+        assert all(store.get(name) == b"v1" for name in names)  # 12 scopes touched
+        with held_watch_restart(store):
+            for name in names:
+                raw.put(prefix + name, "v2")
+            etcd.compact()
+            before = {m: rpc_count(store.registry, m) for m in ("range", "txn")}
+        eventually(lambda: sample(store.registry, "cachedstore_watch_restarts_total",
+                                  reason="compacted") == 1, what="compaction detected")
+        eventually(lambda: store.watch_healthy, what="resynced")
+        after = {m: rpc_count(store.registry, m) - before[m] for m in before}
+        assert after == {"range": 0, "txn": txns}, after
+        assert all(store.get(name, timeout=0) == b"v2" for name in names)
+        assert {m: rpc_count(store.registry, m) - before[m] for m in before} == after
+
+
 def test_resume_after_disconnect_does_not_lose_events(etcd, prefix):
     raw = raw_client(etcd)
     with open_store(etcd, prefix) as store:
