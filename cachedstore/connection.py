@@ -134,6 +134,13 @@ class Credentials:
                 f"user={self.user!r}, password={'***' if self._password else None})")
 
 
+def _transient(error: CachedStoreError) -> CachedStoreError:
+    """``error`` as a plain EtcdConnectionError if it is a TLSError: for a failure met
+    before every endpoint refused the handshake, which may be one member's (TLSError says
+    "waiting will not fix it")."""
+    return EtcdConnectionError(str(error)) if isinstance(error, TLSError) else error
+
+
 def translate_rpc_error(exc: grpc.RpcError, method: str) -> CachedStoreError:
     """A cachedstore error for a gRPC error from etcd (the caller chains ``exc``); what
     the error means comes from :func:`etcdapi.classify`'s table."""
@@ -475,11 +482,12 @@ class Connection:
             if remaining <= 0:
                 # Out of time after a retried failure: that failure is the cause to report
                 # (a refused connection says "unreachable", not merely "no answer").
-                error = translate_rpc_error(retried, method) if retried is not None \
-                    else EtcdConnectionError(f"etcd {method}: no answer from "
-                                             f"{', '.join(self.targets)} within the "
-                                             f"request timeout")
-                raise _with_mismatch(error, mismatch, self.foreign_endpoints)
+                if retried is None:
+                    raise _with_mismatch(EtcdConnectionError(
+                        f"etcd {method}: no answer from {', '.join(self.targets)} within "
+                        f"the request timeout"), mismatch, self.foreign_endpoints)
+                raise _with_mismatch(_transient(translate_rpc_error(retried, method)),
+                                     mismatch, self.foreign_endpoints) from retried
             # With several endpoints, one black-holed member must not eat the whole budget.
             per_attempt = remaining if n_endpoints == 1 else max(
                 min(remaining, 1.0), remaining / 2)
@@ -530,7 +538,9 @@ class Connection:
                             self._clock.sleep(delay)
                             retried = exc
                             continue
-                    error = translate_rpc_error(exc, method)
+                    # Out of time before every endpoint refused the handshake: not (yet)
+                    # a certificate problem.
+                    error = _transient(translate_rpc_error(exc, method))
                     if retry != IDEMPOTENT and not unsent and not isinstance(error, TLSError):
                         error = EtcdConnectionError(
                             f"{error}; the request may or may not have been applied")

@@ -328,31 +328,41 @@ class Watcher:
     def _resync(self) -> None:
         """Events of some scopes were lost: for each, take a fresh revision (and snapshot)
         first, then forget the scope, so that a fill begun after the reset reads at or
-        after the new start. Key and directory scopes are read together, as many per
-        read-only Txn as etcd takes (one revision for all of them)."""
-        scoped: list[Scope] = []
+        after the new start. Key scopes (one key each) are read together, as many per
+        read-only Txn as etcd takes, at one revision; a directory scope, which may hold
+        many keys, in a request of its own, and the root as a snapshot."""
+        keys: list[Scope] = []
         for scope in list(self._needs_resync):
             if scope.removed:
                 self._needs_resync.discard(scope)
-            elif scope.key is not None:
-                scoped.append(scope)
-            else:  # the root: the whole prefix
-                revision, entries = snapshot(self._conn, self._keyspace,
-                                             self._config.snapshot_limit,
-                                             self._conn.deadline())
-                self._cache.reset(revision, entries, scope)
-                self._revision = max(self._revision, revision)
-                self._needs_resync.discard(scope)
+            elif scope.key is not None and not scope.end:  # one key (etcd: no range end)
+                keys.append(scope)
+            else:
+                if scope.key is None:  # the root: the whole prefix
+                    revision, entries = snapshot(self._conn, self._keyspace,
+                                                 self._config.snapshot_limit,
+                                                 self._conn.deadline())
+                else:
+                    revision, entries = read_scope(self._conn, self._keyspace, scope,
+                                                   self._config.snapshot_limit,
+                                                   self._conn.deadline())
+                self._reset(revision, [(scope, entries)])
         step = max(1, self._config.max_txn_ops)
-        for first in range(0, len(scoped), step):
-            batch = scoped[first:first + step]
-            revision, found = read_scopes(self._conn, self._keyspace, batch,
-                                          self._config.snapshot_limit,
-                                          self._conn.deadline())
-            for scope, entries in zip(batch, found, strict=True):
-                self._cache.reset(revision, entries, scope)
-                self._needs_resync.discard(scope)
-            self._revision = max(self._revision, revision)
+        for first in range(0, len(keys), step):
+            batch = [s for s in keys[first:first + step] if not s.removed]
+            if batch:
+                revision, found = read_scopes(self._conn, self._keyspace, batch,
+                                              self._config.snapshot_limit,
+                                              self._conn.deadline())
+                self._reset(revision, list(zip(batch, found, strict=True)))
+
+    def _reset(self, revision: int,
+               read: list[tuple[Scope, list[tuple[str, bytes, int]] | None]]) -> None:
+        """Reset the scopes just read at ``revision`` and forget they needed it."""
+        for scope, entries in read:
+            self._cache.reset(revision, entries, scope)
+            self._needs_resync.discard(scope)
+        self._revision = max(self._revision, revision)
 
     def _stream_once(self) -> str:
         """Run one watch stream until it ends; return why it ended (a restart reason)."""
