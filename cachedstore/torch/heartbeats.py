@@ -32,8 +32,8 @@ from datetime import datetime
 from typing import Any
 from urllib.parse import quote
 
-__all__ = ["HEARTBEATS", "decode", "heartbeat_key", "heartbeat_value", "merge",
-           "node_name", "parse_heartbeat", "runs", "structure"]
+__all__ = ["HEARTBEATS", "decode", "directory", "heartbeat_key", "heartbeat_value",
+           "merge", "node_name", "parse_heartbeat", "runs", "structure"]
 
 #: The directory of the heartbeat keys, relative to the run's prefix.
 HEARTBEATS = "heartbeats/"
@@ -71,9 +71,14 @@ def node_name(node: Any) -> str:
     return f"{addr}_{node.pid}_{node.local_id}"
 
 
+def directory(instance: str) -> str:
+    """The name prefix (relative to the run's prefix) of ``instance``'s heartbeat keys."""
+    return f"{HEARTBEATS}{instance}/"
+
+
 def heartbeat_key(instance: str, node: Any) -> str:
     """The name (relative to the run's prefix) of ``node``'s heartbeat key."""
-    return f"{HEARTBEATS}{instance}/{node_name(node)}"
+    return directory(instance) + node_name(node)
 
 
 def heartbeat_value(node: Any, at: datetime) -> bytes:

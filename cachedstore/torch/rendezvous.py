@@ -313,7 +313,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         state = heartbeats.decode(bits)
         beats: dict[str, int] | None = {} if beats_read else None
         if state is not None and beats is not None:
-            prefix = f"{heartbeats.HEARTBEATS}{instance}/"
+            prefix = heartbeats.directory(instance)
             times = {}
             for name, versioned in snap.found.items():
                 if name.startswith(prefix):
@@ -338,7 +338,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         changed since the last one)."""
         guess = self._instance
         for attempt in range(3):
-            prefixes = [f"{heartbeats.HEARTBEATS}{guess}/"] if guess is not None else []
+            prefixes = [heartbeats.directory(guess)] if guess is not None else []
             try:
                 snap = self._store.read_many([STATE], prefixes)
             except CachedStoreError as exc:
@@ -406,7 +406,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         else:
             puts[STATE] = _encode(view.instance, state)
             if new is not None and old is not None:
-                directory = f"{heartbeats.HEARTBEATS}{view.instance}/"
+                directory = heartbeats.directory(view.instance)
                 alive = {heartbeats.node_name(n) for n in new.last_heartbeats}
                 dropped = {heartbeats.node_name(n) for n in old.last_heartbeats} - alive
                 if dropped and not view.beats_read:
@@ -430,7 +430,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
                ) -> tuple[bytes, Token, bool] | None:
         """One guarded Txn, reading back the state and the heartbeat keys of
         ``instance``."""
-        prefixes = [f"{heartbeats.HEARTBEATS}{instance}/"]
+        prefixes = [heartbeats.directory(instance)]
         for attempt in range(2):
             lease = self._leases.current() if puts else 0
             try:
@@ -462,17 +462,17 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
                                exc: Exception) -> tuple[bytes, Token, bool] | None:
         """The Txn may or may not have been applied: read the keys and decide. Heartbeat
         values carry microsecond times (and a new state its instance or torch's change), so
-        equal bytes mean our write landed; a state key rewritten as it was landed if its
-        heartbeat keys (written in the same Txn) did."""
+        equal bytes mean our write landed; a state key rewritten with a keep-alive landed if
+        the heartbeat keys written in the same Txn did."""
+        beats = {n: data for n, data in puts.items() if n != STATE}
         try:
             view = self._read_view()
-            landed = self._store.read_many([n for n in puts if n != STATE] or [STATE]).found
+            landed = self._store.read_many(list(beats)).found if beats else {}
         except (RendezvousConnectionError, CachedStoreError):
             raise RendezvousConnectionError(
                 f"etcd-v3 rendezvous: writing {self.key!r} failed: {exc}") from exc
         if view is None:
             return None
-        beats = {n: data for n, data in puts.items() if n != STATE}
         if beats:
             ok = all(n in landed and landed[n].value == data for n, data in beats.items())
         elif STATE in puts:
