@@ -52,7 +52,9 @@ Rules, all enforced here under one lock:
    snapshot when it opens. The floor is per stream: ``NOT_SERVING`` until every scope's
    watch is created again after the stream went down, then the newest creation revision
    a scope has not replayed yet. A scope opened on a healthy stream serves its snapshot at
-   once: its watch starts right after it (the lag of any watch).
+   once: its watch starts right after it (the lag of any watch). A snapshot (an opening,
+   a resync, a quiet scope's refresh) installs only the names its scope covers: a name
+   with a scope of its own inside a directory's range keeps what that scope applied.
 
 This class is a little over 300 lines: the rules above share one lock and one state, and
 splitting them would spread one invariant over several objects.
@@ -446,7 +448,16 @@ class CoherentCache:
         scope.applied = revision
         scope.catch_up_to = 0  # the snapshot replaces the replay
         scope.complete = snapshot is not None
+        # Rule 9: a snapshot speaks only for the names its scope covers. A directory's
+        # range also holds names with a key scope of their own (or a deeper directory's),
+        # which may have applied newer events, and then been evicted without a mark (they
+        # were not ahead of their own scope): installing the snapshot's older state of
+        # such a name would serve it stale for good.
+        nested = self._root is None
+        scope_of = self._scope_of
         for name, value, mod_revision in snapshot or ():
+            if nested and scope_of(name) is not scope:
+                continue
             self._install(name, value, revision, mod_revision, woken)  # may evict
         if scope.opening:  # rule 9: what ended while the snapshot was read, if newer
             scope.opening = False
