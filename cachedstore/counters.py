@@ -27,7 +27,9 @@ of W concurrent ``add(k, 1)`` are 1..W. Only a key holding a plain value that so
 Upkeep: an ``add`` that read :data:`COMPACT_AT` deltas folds them into the base
 (:func:`compact_request`); ``append``, ``compare_set`` and ``read`` turn a counter back into
 a plain decimal first (:func:`fold_request`); names over 200 bytes are named in the parts'
-keys by a digest, so that an ``add`` or ``delete`` never carries a name three times over.
+keys by a digest behind ``%%`` (which no percent-encoded name contains: the parts of two
+names never coincide), so that an ``add`` or ``delete`` never carries a name three times
+over.
 
 What a plain etcd client sees: the key holds ``"\\x00cachedstore:counter\\x00<base>"``; the
 parts are listed above. ``get`` through a store returns the decimal value.
@@ -50,6 +52,7 @@ from .keys import KeySpace, prefix_range_end
 
 __all__ = [
     "COMPACT_AT",
+    "DIGEST_ESCAPE",
     "MARK",
     "CounterMark",
     "Parts",
@@ -70,6 +73,8 @@ __all__ = [
 
 #: Names longer than this (bytes) are identified in the parts' keys by a digest.
 _LONG_NAME = 200
+#: What precedes a digest in the parts' keys: no percent-encoded name contains it.
+DIGEST_ESCAPE = b"%%"
 #: An add that read this many delta keys folds them into the base (``compact_request``).
 COMPACT_AT = 64
 #: Every counter's key holds a value starting with these bytes.
@@ -118,8 +123,12 @@ class Parts:
         raw = canonical.encode("utf-8", "surrogateescape")
         # Long names by digest: a percent-encoded name is up to 3 times as long, and the
         # parts' range travels in every add and delete.
+        # Injective over every name: percent-encoding is reversible and never puts two
+        # '%' in a row (each is followed by two hex digits), so a digest behind '%%' is
+        # no short name's encoding ('~', the old escape, is left alone by quote: the name
+        # "~<digest>" spelled a long name's parts).
         encoded = quote(raw, safe="").encode() if len(raw) <= _LONG_NAME \
-            else b"~" + hashlib.blake2b(raw, digest_size=20).hexdigest().encode()
+            else DIGEST_ESCAPE + hashlib.blake2b(raw, digest_size=20).hexdigest().encode()
         self.start = keys.internal + b"counter/" + encoded + b"/"
         self.end = prefix_range_end(self.start)
         self.ones = self.start + b"ones"
@@ -169,15 +178,17 @@ def add_result(response: Any, amount: int) -> tuple[str, int | Any]:
     return "plain", nested.responses[0].response_range.kvs[0]
 
 
-def compact_request(p: Parts, answers: Sequence[Any]) -> Any | None:
+def compact_request(p: Parts, answers: Sequence[Any], max_txn_ops: int) -> Any | None:
     """A Txn folding what an add's success branch read (``answers``: its put, then the
     ranges of :func:`read_ops`) into the key's base: the key gets the counter's value as
     its new base, ``ones`` and the deltas read are deleted. It fails if the key or ``ones``
     changed since; deltas added meanwhile have other names and stay. None if there is
-    nothing to fold. Keeps within etcd's 128 operations per Txn."""
+    nothing to fold. Within ``max_txn_ops`` operations per branch (etcd's
+    ``--max-txn-ops``, as the store is configured): the put, the delete of ``ones`` and
+    up to ``max_txn_ops - 2`` deltas; the rest wait for the next fold."""
     key_kvs = answers[1].response_range.kvs
     ones_kvs = answers[2].response_range.kvs
-    deltas = list(answers[3].response_range.kvs)[:120]
+    deltas = list(answers[3].response_range.kvs)[:max(0, max_txn_ops - 2)]
     if not key_kvs or not key_kvs[0].value.startswith(MARK) or not deltas:
         return None
     base = base_of(key_kvs[0].value) + (ones_kvs[0].version if ones_kvs else 0) \
