@@ -10,6 +10,7 @@ is abandoned (``abandon``). No write is re-sent once it may have reached etcd.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -20,6 +21,7 @@ from .config import StoreConfig, seconds
 from .connection import UNSENT_ONLY, Connection
 from .counters import parse_int
 from .errors import (
+    CachedStoreError,
     EtcdError,
     InvalidInputError,
     LeaseNotFoundError,
@@ -27,6 +29,8 @@ from .errors import (
 from .keys import REQUEST_OVERHEAD, KeySpace, int64, to_value
 
 __all__ = ["Versioned", "Writer"]
+
+log = logging.getLogger("cachedstore.writes")
 
 
 class Versioned(NamedTuple):
@@ -56,6 +60,7 @@ class Writer:
         self._config = config
         self._check_open = check_open
         self.after_write: Callable[[Sequence[str]], None] | None = None
+        self._fold_warned = False
 
     def _target(self, name: object) -> tuple[str, bytes]:
         canonical = self._keys.canonical(name)
@@ -262,10 +267,24 @@ class Writer:
                  ) -> None:
         """Fold the increments an add just read into its counter's base (one Txn, not
         retried: a racing add leaves it for a later one), so that reads of a counter that
-        many ``add(k, n != 1)`` went into stay small. One watch event per COMPACT_AT adds."""
-        request = counters.compact_request(parts, added.responses)
-        if request is not None:
+        many ``add(k, n != 1)`` went into stay small. One watch event per COMPACT_AT adds.
+
+        Upkeep only: the add it follows is committed and counted whatever happens here, so
+        no error of the fold reaches the add's caller (who would retry, and count twice).
+        A fold that etcd refuses or that gets no answer leaves the deltas for a later
+        one; the in-flight protocol (``_sent``) keeps the cache coherent either way."""
+        request = counters.compact_request(parts, added.responses, self._config.max_txn_ops)
+        if request is None:
+            return
+        try:
             self._put_if(canonical, request, request.success[0].request_put.value, deadline)
+        except CachedStoreError as exc:
+            # Warned once per store: a refusal repeats at every add past COMPACT_AT deltas.
+            level = logging.DEBUG if self._fold_warned else logging.WARNING
+            self._fold_warned = True
+            log.log(level, "cachedstore: folding the increments of counter %r failed (%s); "
+                    "the add is counted, the increments stay until a later fold",
+                    canonical, exc)
 
     def _put_if(self, canonical: str, request: Any, data: bytes, deadline: float) -> Any:
         """Send a Txn whose success branch puts ``data`` under ``canonical`` (and maybe
