@@ -297,7 +297,8 @@ def is_nonempty(store: EtcdStore, name: str | bytes,
     """True if queue ``name`` holds an item (torch's ``check``/``wait`` treat a non-empty
     queue as an existing key).
 
-    Emptiness is remembered, while the watch is healthy, until the watch or a local push
+    Emptiness is remembered, and trusted while the watch is healthy and caught up (not
+    while it replays what it missed during an outage), until the watch or a local push
     delivers the put of an item, a resync, or close: first for all queues at once (a store
     whose queues are all empty answers every name without a request), else per queue (up
     to 64 per store). Otherwise one Txn of two count-only ranges. Coherent like a cached
@@ -308,8 +309,12 @@ def is_nonempty(store: EtcdStore, name: str | bytes,
     store._check_open()
     known = _known(store)
     prefix = item_prefix(canonical)
-    healthy = store.watch_healthy
-    if healthy and (known.says_empty(RESERVED) or known.says_empty(prefix)):
+    # Remembered emptiness is a derived answer: trusted only while the cache is served
+    # caught up (floor 0). After a reconnect the watch is up before it has replayed what
+    # it missed, and the put of an item pushed meanwhile, which ends the knowledge, may
+    # still be on its way: until the replay passes its creation revision, count.
+    caught_up = store.watch_healthy and store._cache.floor == 0
+    if caught_up and (known.says_empty(RESERVED) or known.says_empty(prefix)):
         return False
     # A store watching what it touched watches the queues' directory from now on.
     if opened is None:
