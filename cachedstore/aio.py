@@ -97,14 +97,20 @@ class AsyncFront:
             value = (await self.run(reads.fetch, [canonical])).get(canonical)
         else:
             value = None
-        if value is None and deadline is not None:
-            try:
-                value = await self._await_for(canonical, deadline, timeout)
-            except StoreTimeoutError:
-                if default is MISSING:
-                    raise
-        if counters.is_mark(value):
+        while True:
+            if value is None and deadline is not None:
+                try:
+                    value = await self._await_for(canonical, deadline, timeout)
+                except StoreTimeoutError:
+                    if default is MISSING:
+                        raise
+            if not counters.is_mark(value):
+                break
             value = await self.run(reads.decimal, canonical, value)
+            if value is not None or deadline is None:
+                break
+            # The counter was deleted meanwhile: a blocking read waits for it again, as
+            # the blocking ``get`` does (``ReadThrough.get``).
         if value is not None:
             return value
         return absent(name, default)
@@ -126,8 +132,18 @@ class AsyncFront:
                 except StoreTimeoutError:
                     if default is MISSING:
                         raise
-        if any(counters.is_mark(v) for v in values.values()):
+        while any(counters.is_mark(v) for v in values.values()):
+            marked = [key for key, v in values.items() if counters.is_mark(v)]
             await self.run(self._reads.decimals, values)
+            if deadline is None:
+                break
+            for key in marked:  # deleted meanwhile: wait for it again, as ``mget`` does
+                if values.get(key) is None:
+                    try:
+                        values[key] = await self._await_for(key, deadline, timeout)
+                    except StoreTimeoutError:
+                        if default is MISSING:
+                            raise
         out = []
         for name, key in zip(names, canonical, strict=True):
             value = values.get(key)

@@ -388,8 +388,20 @@ class ReadThrough:
                 except StoreTimeoutError:
                     if default is MISSING:
                         raise
-        if op != "wait":  # a wait needs existence only: a counter's value is not read
+        # A wait needs existence only: a counter's value is not read. A counter deleted
+        # between the wait and the read of its value is waited for again (as by ``get``).
+        while op != "wait" and any(counters.is_mark(v) for v in values.values()):
+            marked = [name for name, v in values.items() if counters.is_mark(v)]
             self.decimals(values)
+            if deadline is None:
+                break
+            for name in marked:
+                if values.get(name) is None:
+                    try:
+                        values[name] = self.wait_for(name, deadline, timeout)
+                    except StoreTimeoutError:
+                        if default is MISSING:
+                            raise
         for i in pending:
             value = values.get(canonical[i])
             if value is None:
