@@ -80,6 +80,8 @@ __all__ = ["CheckerConfig", "Report", "check", "run"]
 _PUT = 0
 INF = sys.maxsize
 COUNTER = "ctr"
+#: The queue of ``CheckerConfig.queues``.
+QUEUE = "jobs"
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,18 @@ class CheckerConfig:
     #: ``"no-marks"`` (eviction keeps no high-water mark), ``"no-gate"`` (fills and writes
     #: in flight are never refused). Never set in a run meant to pass.
     sabotage: str = ""
+    #: Kill -9 faults: etcd (in a cluster, its leader) is SIGKILLed and restarted on its
+    #: data after a while; every process is in the fault's window. Needs ``run(servers=)``.
+    kill: bool = False
+    #: Queue operations: ``queue_push`` of unique items and non-blocking ``queue_pop``;
+    #: checked: no item lost, none popped twice, none popped that was never pushed.
+    queues: bool = False
+    #: ``"prefix"``, or ``"mixed"``: odd-numbered processes watch only what they touched
+    #: (``watch_scope="touched"``), so both watch layouts meet the same faults.
+    watch_scopes: str = "prefix"
+    #: Share of reads made with ``aget`` on an event loop of the worker's (the asyncio
+    #: front), the rest with ``get``.
+    async_reads: float = 0.0
 
     @property
     def names(self) -> list[str]:
@@ -140,6 +154,10 @@ class Report:
     start_at: float
     violations: list[str] = field(default_factory=list)
     figures: dict[str, Any] = field(default_factory=dict)
+    #: The values of the items left in the queue at the end (``CheckerConfig.queues``).
+    queue_left: list[str] = field(default_factory=list)
+    #: How often the oracle's watch had to be resumed (a killed member).
+    oracle_restarts: int = 0
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the whole report as JSON (histories, oracle events, plan, results)."""
@@ -158,12 +176,14 @@ class Report:
 # ------------------------------------------------------------------------ the worker
 
 
-def _worker(index: int, endpoint: str, prefix: str, config: dict[str, Any], out_path: str,
-            ready: Any, go: Any, times: Any) -> None:
+def _worker(index: int, endpoints: list[str], prefix: str, config: dict[str, Any],
+            out_path: str, ready: Any, go: Any, times: Any) -> None:
     """One process: connect, report ``ready``, wait for ``go``, operate on its own store
     until ``times = (start, end of writes, end of settle reads)``, write its history to
     ``out_path``."""
-    from cachedstore import CachedStoreError, EtcdConnectionError, EtcdStore
+    import asyncio
+
+    from cachedstore import CachedStoreError, EtcdConnectionError, EtcdStore, QueueEmptyError
 
     cfg = CheckerConfig(**config)
     rng = random.Random(cfg.seed * 1000 + index)
@@ -173,10 +193,12 @@ def _worker(index: int, endpoint: str, prefix: str, config: dict[str, Any], out_
     try:
         if cfg.sabotage:
             _sabotage(cfg.sabotage)
-        store = EtcdStore(endpoints=[endpoint], prefix=prefix, connect_timeout=20,
+        scope = "touched" if cfg.watch_scopes == "mixed" and index % 2 else "prefix"
+        store = EtcdStore(endpoints=endpoints, prefix=prefix, connect_timeout=20,
                           request_timeout=cfg.request_timeout, stall_timeout=cfg.stall_timeout,
                           progress_interval=cfg.progress_interval,
-                          cache_size=cfg.cache_size or None)
+                          cache_size=cfg.cache_size or None, watch_scope=scope)
+        loop = asyncio.new_event_loop()
         delays: Counter[str] = Counter()
         if cfg.apply_delay > 0:
             delays = _delay_applies(store, cfg, random.Random(cfg.seed * 1000 + index + 500))
@@ -191,6 +213,8 @@ def _worker(index: int, endpoint: str, prefix: str, config: dict[str, Any], out_
     seen: dict[str, str | None] = {}
     seq = 0
     ops = ["get"] * 8 + ["mget"] * 2 + ["set"] * 3 + ["delete"] + ["cas"] * 3 + ["add"] * 3
+    if cfg.queues:
+        ops += ["push"] * 2 + ["pop"] * 2
     reread: str | None = None
     try:
         time.sleep(max(0.0, start_at - time.monotonic()))
@@ -203,22 +227,37 @@ def _worker(index: int, endpoint: str, prefix: str, config: dict[str, Any], out_
                 key = rng.choice(names)
                 if op == "get":
                     key = rng.choice(names + [COUNTER])
-            applied = store.watch_revision
+            applied = _applied(store, key)
             started = time.monotonic()
             arg: Any = None
             try:
                 if op == "get":
-                    value = store.get(key, None)
+                    if cfg.async_reads and rng.random() < cfg.async_reads:
+                        value = loop.run_until_complete(store.aget(key, None))
+                    else:
+                        value = store.get(key, None)
                     result: Any = _text(value)
                     seen[key] = result
+                elif op == "push":
+                    seq += 1
+                    key, arg = QUEUE, f"q{index}-{seq}"
+                    store.queue_push(QUEUE, arg)
+                    result = None
+                elif op == "pop":
+                    key = QUEUE
+                    try:
+                        result = _text(store.queue_pop(QUEUE, block=False))
+                    except QueueEmptyError:
+                        result = None
                 elif op == "mget":
                     keys = rng.sample(names + [COUNTER], 3)
+                    applied_of = {k: _applied(store, k) for k in keys}
                     values = store.mget(keys, default=None)
                     ended = time.monotonic()
                     for k, v in zip(keys, values, strict=True):
                         seen[k] = _text(v)
                         history.append(["get", k, None, "ok", _text(v), started, ended, "run",
-                                        applied])
+                                        applied_of[k]])
                     continue
                 elif op == "set":
                     seq += 1
@@ -254,12 +293,13 @@ def _worker(index: int, endpoint: str, prefix: str, config: dict[str, Any], out_
                 result = "".join(traceback.format_exception(exc))[-500:]
             history.append([op, key, arg, outcome, result, started, time.monotonic(), "run",
                             applied])
-            if cfg.reread and outcome == "ok" and not again:
+            if cfg.reread and outcome == "ok" and not again and op not in ("push", "pop"):
                 reread = key
         while time.monotonic() < settle_until:
-            applied = store.watch_revision
-            started = time.monotonic()
             keys = names + [COUNTER]
+            applied_of = {k: _applied(store, k) for k in keys}
+            applied = max(applied_of.values())
+            started = time.monotonic()
             try:
                 values = store.mget(keys, default=None)
             except EtcdConnectionError as exc:
@@ -269,7 +309,7 @@ def _worker(index: int, endpoint: str, prefix: str, config: dict[str, Any], out_
             ended = time.monotonic()
             for k, v in zip(keys, values, strict=True):
                 history.append(["get", k, None, "ok", _text(v), started, ended, "settle",
-                                applied])
+                                applied_of[k]])
             time.sleep(0.005)
         if store.registry is not None:
             for family in store.registry.collect():
@@ -284,7 +324,20 @@ def _worker(index: int, endpoint: str, prefix: str, config: dict[str, Any], out_
             metrics[f"delays{{{where}}}"] = n
     finally:
         store.close()
+        loop.close()
         Path(out_path).write_text(json.dumps({"history": history, "metrics": metrics}))
+
+
+def _applied(store: Any, name: str) -> int:
+    """The revision up to which ``store``'s watch has applied every event of ``name``: the
+    store's applied revision, or, in a store that watches what it touched, that of the
+    scope covering ``name`` (0 if none: a quiet scope stays behind, and a name no scope
+    covers is read from etcd)."""
+    cache = store._cache
+    if not cache.scoped:
+        return int(store.watch_revision)
+    scope = cache.scope_of(name)
+    return 0 if scope is None or scope.opening else int(scope.applied)
 
 
 def _delay_applies(store: Any, cfg: CheckerConfig, rng: random.Random
@@ -394,54 +447,81 @@ class _CounterModel:
 
 class _Oracle:
     """An independent record of every change under the prefix: a raw gRPC watch on a
-    direct connection to etcd (no proxy, no faults). Thread: ``checker-oracle``."""
+    direct connection to etcd (no proxy, no faults). When its member is killed it resumes
+    from the next revision on the next member (the checker never compacts past it).
+    Thread: ``checker-oracle``."""
 
-    def __init__(self, endpoint: str, prefix: bytes, start_revision: int) -> None:
+    def __init__(self, endpoints: list[str], prefix: bytes, start_revision: int) -> None:
         from cachedstore.keys import prefix_range_end
 
-        self._channel = grpc.insecure_channel(endpoint)
-        self._create = etcdrpc.WatchRequest(create_request=etcdrpc.WatchCreateRequest(
-            key=prefix, range_end=prefix_range_end(prefix), start_revision=start_revision))
+        self._endpoints = endpoints
+        self._channels = [grpc.insecure_channel(e) for e in endpoints]
+        self._range_end = prefix_range_end(prefix)
         self._prefix = prefix
         self._counter = _CounterModel(COUNTER)
         self._stop = threading.Event()
         self._call: Any = None
         self.events: list[tuple[int, str, str | None, float]] = []
         self.revision = start_revision - 1
+        self.restarts = 0
         self.error: BaseException | str | None = None
         self._thread = threading.Thread(target=self._run, name="checker-oracle", daemon=True)
         self._thread.start()
 
     def _requests(self) -> Iterator[Any]:
-        yield self._create
+        yield etcdrpc.WatchRequest(create_request=etcdrpc.WatchCreateRequest(
+            key=self._prefix, range_end=self._range_end, start_revision=self.revision + 1))
         self._stop.wait(3600)
 
     def _run(self) -> None:
-        try:
-            self._call = etcdrpc.WatchStub(self._channel).Watch(self._requests())
-            for response in self._call:
-                if response.canceled:
-                    self.error = f"oracle watch canceled: {response.cancel_reason} " \
-                                 f"(compact revision {response.compact_revision})"
-                    return
-                now = time.monotonic()
-                plen = len(self._prefix)
-                counter_at = 0
-                for event in response.events:
-                    kv = event.kv
-                    name = kv.key[plen:]
-                    if self._counter.update(name, kv, event.type == _PUT):
-                        counter_at = kv.mod_revision
-                        continue
-                    self.events.append((kv.mod_revision, name.decode(),
-                                        kv.value.decode() if event.type == _PUT else None, now))
-                if counter_at:  # the counter's value after the response's last change of it
-                    self.events.append((counter_at, COUNTER, self._counter.value(), now))
-                if response.events:
-                    self.revision = response.events[-1].kv.mod_revision
-        except grpc.RpcError as exc:
-            if not self._stop.is_set():
-                self.error = exc
+        attempt = 0
+        while not self._stop.is_set():
+            channel = self._channels[attempt % len(self._channels)]
+            try:
+                self._watch(channel)
+                if self.error is not None:
+                    return  # canceled: nothing to resume
+                failure: BaseException | str = "the stream ended"
+            except grpc.RpcError as exc:
+                failure = exc
+            if self._stop.is_set():
+                return
+            # A fresh channel: gRPC's own reconnect back-off would keep a restarted
+            # member unused for seconds.
+            index = attempt % len(self._channels)
+            self._channels[index].close()
+            self._channels[index] = grpc.insecure_channel(self._endpoints[index])
+            attempt += 1
+            self.restarts += 1
+            if attempt > 2000:  # about 100 s of failed attempts
+                self.error = failure
+                return
+            self._stop.wait(0.05)
+
+    def _watch(self, channel: Any) -> None:
+        """One watch stream until it fails (raises) or is canceled (sets ``error``)."""
+        self._call = etcdrpc.WatchStub(channel).Watch(self._requests(),
+                                                      metadata=(("hasleader", "true"),))
+        for response in self._call:
+            if response.canceled:
+                self.error = f"oracle watch canceled: {response.cancel_reason} " \
+                             f"(compact revision {response.compact_revision})"
+                return
+            now = time.monotonic()
+            plen = len(self._prefix)
+            counter_at = 0
+            for event in response.events:
+                kv = event.kv
+                name = kv.key[plen:]
+                if self._counter.update(name, kv, event.type == _PUT):
+                    counter_at = kv.mod_revision
+                    continue
+                self.events.append((kv.mod_revision, name.decode(),
+                                    kv.value.decode() if event.type == _PUT else None, now))
+            if counter_at:  # the counter's value after the response's last change of it
+                self.events.append((counter_at, COUNTER, self._counter.value(), now))
+            if response.events:
+                self.revision = response.events[-1].kv.mod_revision
 
     def wait_for(self, revision: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -457,7 +537,8 @@ class _Oracle:
         if self._call is not None:
             self._call.cancel()
         self._thread.join(5)
-        self._channel.close()
+        for channel in self._channels:
+            channel.close()
 
 
 # ------------------------------------------------------------------------ the run
@@ -466,13 +547,15 @@ class _Oracle:
 def make_plan(config: CheckerConfig) -> list[tuple[float, str, int, float]]:
     """The fault schedule: ``(offset, action, process, duration)`` from the seed; actions
     ``reset`` (RST now), ``cut`` (RST and refuse for ``duration``), ``stall`` (hold bytes for
-    ``duration``) and ``compact`` (compact etcd to the newest revision; process -1). Most
-    cuts -- with ``compact_every_fault`` every cut and stall -- have a compaction in their
-    middle."""
+    ``duration``), ``compact`` (compact etcd to the newest revision; process -1) and, with
+    ``kill``, ``kill`` (SIGKILL etcd, or a cluster's leader, and restart it on its data
+    after ``duration``; process -2: every process). Most cuts -- with
+    ``compact_every_fault`` every cut and stall -- have a compaction in their middle."""
     rng = random.Random(config.seed)
+    wanted = {"reset", "cut", "stall", "compact"} | ({"kill"} if config.kill else set())
     while True:  # redraw (deterministically) until every kind of fault is in the plan
         plan = _draw_plan(config, rng)
-        if {"reset", "cut", "stall", "compact"} <= {action for _, action, _, _ in plan}:
+        if wanted <= {action for _, action, _, _ in plan}:
             return plan
 
 
@@ -482,10 +565,17 @@ def _draw_plan(config: CheckerConfig, rng: random.Random
     busy = [0.0] * config.processes
     end = config.duration - config.fault_tail
     t = rng.uniform(0.3, 1.0)
+    down_until = 0.0  # no two kills overlap
+    kinds = ["reset", "cut", "cut", "stall", "stall", "compact"] + ["kill"] * config.kill
     while t < end:
-        action = rng.choice(["reset", "cut", "cut", "stall", "stall", "compact"])
+        action = rng.choice(kinds)
         if action == "compact":
             plan.append((t, "compact", -1, 0.0))
+        elif action == "kill":
+            if down_until <= t:
+                length = min(rng.uniform(0.3, 1.5), end - t)
+                plan.append((t, "kill", -2, length))
+                down_until = t + length + 3.0  # restart and (in a cluster) an election
         else:
             target = rng.randrange(config.processes)
             if busy[target] <= t:
@@ -503,23 +593,30 @@ def _draw_plan(config: CheckerConfig, rng: random.Random
     return plan
 
 
-def run(config: CheckerConfig, endpoint: str, workdir: str | os.PathLike[str]) -> Report:
+def run(config: CheckerConfig, endpoint: str, workdir: str | os.PathLike[str],
+        servers: Any = None) -> Report:
     """Run one checker round against the etcd at ``endpoint`` (used by nobody else) and
-    return its :class:`Report`, checked. Blocks about ``duration + settle`` plus start-up."""
+    return its :class:`Report`, checked. Blocks about ``duration + settle`` plus start-up.
+    ``servers``: the :class:`~cachedstore.server.LocalEtcd` behind ``endpoint``, or a
+    :class:`~cachedstore.server.LocalEtcdCluster` (its members' endpoints are used, each
+    process reaching every member through proxies of its own); needed by ``kill``."""
+    members = list(getattr(servers, "members", None) or ([servers] if servers else []))
+    endpoints = [m.endpoint for m in members] if members else [endpoint]
+    if config.kill and not members:
+        raise ValueError("kill faults need the etcd servers (run(..., servers=))")
     prefix = f"/checker-{config.seed}-{os.getpid()}-{time.monotonic_ns()}/"
-    channel = grpc.insecure_channel(endpoint)
-    kv = etcdrpc.KVStub(channel)
-    start_revision = kv.Range(etcdrpc.RangeRequest(key=b"\0"), timeout=10).header.revision + 1
-    oracle = _Oracle(endpoint, prefix.encode(), start_revision)
-    proxies = [FaultProxy(endpoint, max_lifetime=config.duration + 600).start()
+    kvs = _Members(endpoints)
+    start_revision = kvs.call("Range", etcdrpc.RangeRequest(key=b"\0")).header.revision + 1
+    oracle = _Oracle(endpoints, prefix.encode(), start_revision)
+    proxies = [[FaultProxy(e, max_lifetime=config.duration + 600).start() for e in endpoints]
                for _ in range(config.processes)]
     ctx = multiprocessing.get_context("spawn")
     ready, go, times = ctx.Queue(), ctx.Event(), ctx.Array("d", 3)
     outs = [str(Path(workdir) / f"history-{i}.json") for i in range(config.processes)]
     plan = make_plan(config)
     procs = [ctx.Process(target=_worker, name=f"checker-worker-{i}",
-                         args=(i, proxies[i].endpoint, prefix, asdict(config), outs[i], ready,
-                               go, times))
+                         args=(i, [p.endpoint for p in proxies[i]], prefix, asdict(config),
+                               outs[i], ready, go, times))
              for i in range(config.processes)]
     try:
         for p in procs:
@@ -534,61 +631,140 @@ def run(config: CheckerConfig, endpoint: str, workdir: str | os.PathLike[str]) -
         settle_until = writes_until + config.settle
         times[:] = [start_at, writes_until, settle_until]
         go.set()
-        _inject(plan, proxies, kv, oracle, start_at)
+        _inject(plan, proxies, kvs, members, oracle, start_at)
         for p in procs:
             p.join(max(5.0, settle_until - time.monotonic() + 30))
             if p.is_alive():
                 p.kill()
                 raise RuntimeError(f"{p.name} did not finish")
-        end = kv.Put(etcdrpc.PutRequest(key=(prefix + "__end__").encode(), value=b"1"),
-                     timeout=10)
+        end = kvs.call("Put", etcdrpc.PutRequest(key=(prefix + "__end__").encode(),
+                                                 value=b"1"))
         oracle.wait_for(end.header.revision, 10)
+        queue_left = _queue_items(kvs, prefix) if config.queues else []
     finally:
         for p in procs:
             if p.is_alive():
                 p.kill()
                 p.join(5)
-        for proxy in proxies:
-            proxy.close()
+        for group in proxies:
+            for proxy in group:
+                proxy.close()
         oracle.stop()
-        channel.close()
+        kvs.close()
     histories, metrics = {}, {}
     for i, path in enumerate(outs):
         data = json.loads(Path(path).read_text())
         histories[i], metrics[i] = data["history"], data["metrics"]
     report = Report(config, prefix, plan, histories, metrics,
-                    [e for e in oracle.events if e[1] != "__end__"], start_at)
+                    [e for e in oracle.events if e[1] != "__end__"], start_at,
+                    queue_left=queue_left, oracle_restarts=oracle.restarts)
     check(report)
     return report
 
 
-def _inject(plan: list[tuple[float, str, int, float]], proxies: list[FaultProxy], kv: Any,
-            oracle: _Oracle, start_at: float) -> None:
-    """Carry out the fault schedule (heals included) on the calling thread."""
+class _Members:
+    """Direct gRPC stubs to every member (no proxy, no faults): the checker's own requests
+    (compaction, the final put, the queue's remaining items) go to the first that answers."""
+
+    def __init__(self, endpoints: list[str]) -> None:
+        self._channels = [grpc.insecure_channel(e) for e in endpoints]
+        self._kvs = [etcdrpc.KVStub(c) for c in self._channels]
+
+    def call(self, method: str, request: Any, within: float = 20.0) -> Any:
+        deadline = time.monotonic() + within
+        while True:
+            for kv in self._kvs:
+                try:
+                    return getattr(kv, method)(request, timeout=2)
+                except grpc.RpcError as exc:
+                    if exc.code() not in (grpc.StatusCode.UNAVAILABLE,
+                                          grpc.StatusCode.DEADLINE_EXCEEDED,
+                                          grpc.StatusCode.UNKNOWN):
+                        raise
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no etcd member answered {method} within {within} s")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()
+
+
+def _queue_items(kvs: _Members, prefix: str) -> list[str]:
+    """The items left in the checker's queue at the end (their values)."""
+    from cachedstore.keys import prefix_range_end
+    from cachedstore.queues import item_prefix
+
+    start = prefix.encode() + item_prefix(QUEUE).encode()
+    response = kvs.call("Range", etcdrpc.RangeRequest(key=start,
+                                                      range_end=prefix_range_end(start)))
+    return [kv.value.decode() for kv in response.kvs]
+
+
+def _inject(plan: list[tuple[float, str, int, float]], proxies: list[list[FaultProxy]],
+            kvs: _Members, members: list[Any], oracle: _Oracle, start_at: float) -> None:
+    """Carry out the fault schedule (heals and restarts included) on the calling thread."""
     timeline: list[tuple[float, int, str, int]] = []
     for n, (offset, action, target, length) in enumerate(plan):
         timeline.append((start_at + offset, n, action, target))
         if action in ("cut", "stall"):
             timeline.append((start_at + offset + length, n, "heal", target))
+        elif action == "kill":
+            timeline.append((start_at + offset + length, n, "restart", target))
     timeline.sort()
+    killed: Any = None
     for at, _, action, target in timeline:
         time.sleep(max(0.0, at - time.monotonic()))
+        group = proxies[target] if target >= 0 else []
         if action == "reset":
-            proxies[target].reset()
+            for proxy in group:
+                proxy.reset()
         elif action == "cut":
-            proxies[target].reset(refuse=True)
+            for proxy in group:
+                proxy.reset(refuse=True)
         elif action == "stall":
-            proxies[target].stall()
+            for proxy in group:
+                proxy.stall()
         elif action == "heal":
-            proxies[target].heal()
-        elif action == "compact" and oracle.revision > 0:
+            for proxy in group:
+                proxy.heal()
+        elif action == "kill":
+            killed = members[_leader(members)]
+            killed.kill()  # SIGKILL: a crash, its data kept
+        elif action == "restart" and killed is not None:
+            killed.restart()  # on its data dir and ports; blocks until healthy
+            killed = None
+        elif action == "compact" and oracle.revision > 0 and killed is None:
             try:  # never past the oracle's own position, or it would lose events
-                kv.Compact(etcdrpc.CompactionRequest(revision=oracle.revision), timeout=10)
+                kvs.call("Compact", etcdrpc.CompactionRequest(revision=oracle.revision),
+                         within=3.0)
             except grpc.RpcError as exc:
                 if "compacted" not in (exc.details() or ""):
                     raise
-    for proxy in proxies:
-        proxy.heal()
+            except RuntimeError:  # no member answered (a kill): skip this compaction
+                pass
+    if killed is not None:
+        killed.restart()
+    for group in proxies:
+        for proxy in group:
+            proxy.heal()
+
+
+def _leader(members: list[Any]) -> int:
+    """Index of the leader among ``members`` (0 for a single member)."""
+    if len(members) == 1:
+        return 0
+    for i, member in enumerate(members):
+        if not member.running:
+            continue
+        try:
+            status = member.status()
+        except Exception:  # noqa: BLE001 - a member that cannot say is not the leader
+            continue
+        header = status.get("header", {})
+        if str(status.get("leader")) == str(header.get("member_id")):
+            return i
+    return 0
 
 
 # ------------------------------------------------------------------------ the checks
@@ -699,10 +875,14 @@ def check(report: Report) -> list[str]:
 
     # Fault windows per process, for the availability check.
     windows: dict[int, list[tuple[float, float]]] = defaultdict(list)
-    for offset, _action, target, length in report.plan:
-        if target >= 0:
+    for offset, action, target, length in report.plan:
+        if target >= 0 or action == "kill":
             start = report.start_at + offset
-            windows[target].append((start, start + length + cfg.recovery_allowance))
+            # A kill's window covers every process, and the restart (and, in a cluster,
+            # an election) after it.
+            extra = cfg.recovery_allowance + (5.0 if action == "kill" else 0.0)
+            for proc in [target] if target >= 0 else range(cfg.processes):
+                windows[proc].append((start, start + length + extra))
 
     outcomes: Counter[str] = Counter()
     max_stale, stale_reads = 0.0, 0
@@ -712,6 +892,7 @@ def check(report: Report) -> list[str]:
                       if rec[7] == "run" and rec[0] in ("set", "delete", "cas", "add")),
                      default=report.start_at)
     converge: dict[int, float] = {}
+    queue_ops: defaultdict[tuple[str, str], list[str | None]] = defaultdict(list)
     for proc, history in report.histories.items():
         position: dict[str, int] = defaultdict(int)
         for op, key, arg, outcome, result, started, ended, _phase, applied in history:
@@ -723,8 +904,13 @@ def check(report: Report) -> list[str]:
             if outcome in ("conn", "maybe"):
                 if op == "add" and outcome == "maybe":
                     maybe_adds += 1
+                if op in ("push", "pop"):
+                    queue_ops[op, outcome].append(arg if op == "push" else None)
                 if not any(started <= b and ended >= a for a, b in windows[proc]):
                     v.append(f"{where}: connection error outside any fault window: {result}")
+                continue
+            if op in ("push", "pop"):  # judged as a whole below
+                queue_ops[op, outcome].append(arg if op == "push" else result)
                 continue
             tl = timelines[key]
             # The state this operation observed or produced, as (value, exact revision?).
@@ -772,7 +958,7 @@ def check(report: Report) -> list[str]:
                     continue
                 position[key] = placed
                 replaced = tl.replaced_at(state, ended, acked_at)
-                if replaced is not None and started > replaced:
+                if op != "delete" and replaced is not None and started > replaced:
                     stale_reads += 1
                     max_stale = max(max_stale, started - replaced)
                     if started - replaced > cfg.stale_bound:
@@ -806,6 +992,8 @@ def check(report: Report) -> list[str]:
     if not len(acked_adds) <= final_counter <= len(acked_adds) + maybe_adds:
         v.append(f"lost add: counter={final_counter}, acknowledged adds={len(acked_adds)}, "
                  f"maybe={maybe_adds}")
+    if cfg.queues:
+        v.extend(_check_queue(queue_ops, report.queue_left))
     restarts: Counter[str] = Counter()
     for m in report.metrics.values():
         for name, count in m.items():
@@ -821,16 +1009,48 @@ def check(report: Report) -> list[str]:
         "reads older than etcd (count, max s)": (stale_reads, round(max_stale, 4)),
         "convergence after quiescence (s)": {p: round(t, 4) for p, t in converge.items()},
         "etcd revisions": len(report.events),
+        "oracle watch resumed": report.oracle_restarts,
     })
+    if cfg.queues:
+        report.figures["queue"] = (
+            f"pushed={len(queue_ops['push', 'ok'])} "
+            f"popped={sum(1 for x in queue_ops['pop', 'ok'] if x is not None)} "
+            f"empty={sum(1 for x in queue_ops['pop', 'ok'] if x is None)} "
+            f"maybe={len(queue_ops['push', 'maybe']) + len(queue_ops['pop', 'maybe'])} "
+            f"left={len(report.queue_left)}")
     return v
+
+
+def _check_queue(ops: dict[tuple[str, str], list[str | None]], left: list[str]
+                 ) -> list[str]:
+    """Queues neither lose nor duplicate items: every item popped was pushed (acknowledged
+    or maybe), none is popped twice or both popped and left, and every acknowledged push is
+    popped or left, except where a pop of unknown outcome may have taken it."""
+    found: list[str] = []
+    pushed = {x for x in ops.get(("push", "ok"), []) if x is not None}
+    maybe_pushed = {x for x in ops.get(("push", "maybe"), []) if x is not None}
+    popped = [x for x in ops.get(("pop", "ok"), []) if x is not None]
+    maybe_pops = len(ops.get(("pop", "maybe"), []))
+    for item, count in Counter(popped + left).items():
+        if count > 1:
+            found.append(f"queue: item {item!r} popped or left {count} times (duplicated)")
+    for item in set(popped) | set(left):
+        if item not in pushed and item not in maybe_pushed:
+            found.append(f"queue: item {item!r} was never pushed")
+    lost = pushed - set(popped) - set(left)
+    if len(lost) > maybe_pops:
+        found.append(f"queue: {len(lost)} acknowledged items lost ({sorted(lost)[:5]}...), "
+                     f"only {maybe_pops} pops of unknown outcome")
+    return found
 
 
 # ------------------------------------------------------------------------ CLI
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m faults.checker``: start a private etcd, run, print the report."""
-    from cachedstore.server import LocalEtcd
+    """``python -m faults.checker``: start a private etcd (or cluster), run, print the
+    report."""
+    from cachedstore.server import LocalEtcd, LocalEtcdCluster
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seed", type=int, default=random.SystemRandom().randrange(10**6))
@@ -847,16 +1067,29 @@ def main(argv: list[str] | None = None) -> int:
                         help="read back at once the key each operation touched")
     parser.add_argument("--sabotage", choices=["no-marks", "no-gate"], default="",
                         help="revert a coherence fix in the workers (the run should fail)")
+    parser.add_argument("--kill", action="store_true",
+                        help="SIGKILL etcd (a cluster's leader) now and then, and restart it")
+    parser.add_argument("--members", type=int, default=1,
+                        help="run against a cluster of this many members (3: leader loss)")
+    parser.add_argument("--queues", action="store_true", help="queue pushes and pops too")
+    parser.add_argument("--mixed-scopes", action="store_true",
+                        help="odd-numbered processes watch only what they touched")
+    parser.add_argument("--async-reads", type=float, default=0.0, metavar="SHARE",
+                        help="share of reads made with aget")
     parser.add_argument("--save", metavar="FILE", help="write the whole report as JSON")
     args = parser.parse_args(argv)
     config = CheckerConfig(seed=args.seed, processes=args.processes, duration=args.duration,
                            keys=args.keys, cache_size=args.cache_size,
                            apply_delay=args.apply_delay,
                            compact_every_fault=args.compact_every_fault,
-                           reread=args.reread, sabotage=args.sabotage)
+                           reread=args.reread, sabotage=args.sabotage, kill=args.kill,
+                           queues=args.queues, async_reads=args.async_reads,
+                           watch_scopes="mixed" if args.mixed_scopes else "prefix")
     started = time.monotonic()
-    with LocalEtcd() as server, tempfile.TemporaryDirectory() as workdir:
-        report = run(config, server.endpoint, workdir)
+    servers: Any = LocalEtcdCluster(args.members) if args.members > 1 else LocalEtcd()
+    with servers, tempfile.TemporaryDirectory() as workdir:
+        endpoint = servers.endpoints[0]
+        report = run(config, endpoint, workdir, servers=servers)
     print(report.summary())
     print(f"  wall time: {time.monotonic() - started:.1f} s")
     if args.save:

@@ -161,6 +161,64 @@ def test_the_modes_catch_a_reverted_fix(etcd_factory: Callable[..., LocalEtcd],
                for v in report.violations), report.summary()
 
 
+@pytest.mark.timeout(120)
+def test_short_run_kill_restart_queues_and_both_watch_scopes(
+        etcd_factory: Callable[..., LocalEtcd], tmp_path: Path) -> None:
+    """3 processes, 10 s: etcd SIGKILLed and restarted on its data, besides the proxies'
+    faults and compactions; queue pushes and pops; one process in two watching only what
+    it touched; a fifth of the reads through ``aget``. One checker judges it all."""
+    server = etcd_factory()
+    config = CheckerConfig(seed=_seed(), processes=3, duration=10.0, kill=True, queues=True,
+                           watch_scopes="mixed", async_reads=0.2)
+    report = run(config, server.endpoint, tmp_path, servers=server)
+    print("\n" + report.summary())
+    assert not report.violations, (
+        f"{report.summary()}\nreproduce: CHECKER_SEED={config.seed} pytest "
+        f"tests/faults/test_checker.py")
+    outcomes = report.figures["outcomes"]
+    for op in ("get", "set", "cas", "add", "push", "pop"):
+        assert outcomes.get(f"{op}:ok", 0) > 0, f"no successful {op}"
+    assert report.figures["faults"].get("kill", 0) >= 1
+    assert report.oracle_restarts > 0  # the kill reached etcd (and its oracle)
+
+    # The queue check is not vacuous: an item popped twice, or lost, is reported.
+    def pop_twice(r: Report) -> None:
+        for history in r.histories.values():
+            for rec in history:
+                if rec[0] == "pop" and rec[3] == "ok" and rec[4] is not None:
+                    history.append(list(rec))
+                    return
+        raise AssertionError("no pop")
+
+    # More items gone than pops of unknown outcome could have taken.
+    uncertain = report.figures["outcomes"].get("pop:maybe", 0)
+
+    def lose_some(r: Report) -> None:
+        r.queue_left = r.queue_left[uncertain + 1:]
+
+    assert any("duplicated" in v for v in _rechecked(report, pop_twice))
+    if len(report.queue_left) > uncertain:
+        assert any("lost" in v for v in _rechecked(report, lose_some))
+
+
+@pytest.mark.timeout(150)
+def test_short_run_on_a_cluster_that_loses_its_leader(tmp_path: Path) -> None:
+    """3 processes on a 3-member cluster, 10 s: the leader is SIGKILLed (an election) and
+    restarted, besides the proxies' faults and compactions; queues and both watch scopes."""
+    from cachedstore.server import LocalEtcdCluster
+
+    config = CheckerConfig(seed=_seed(), processes=3, duration=10.0, kill=True, queues=True,
+                           watch_scopes="mixed")
+    with LocalEtcdCluster(3) as cluster:
+        report = run(config, cluster.endpoints[0], tmp_path, servers=cluster)
+    print("\n" + report.summary())
+    assert not report.violations, (
+        f"{report.summary()}\nreproduce: CHECKER_SEED={config.seed} pytest "
+        f"tests/faults/test_checker.py")
+    assert report.figures["faults"].get("kill", 0) >= 1
+    assert report.figures["outcomes"].get("set:ok", 0) > 0
+
+
 def test_plan_is_reproducible() -> None:
     config = CheckerConfig(seed=1234)
     assert make_plan(config) == make_plan(CheckerConfig(seed=1234))
