@@ -207,3 +207,49 @@ def test_check_of_absent_keys_in_a_job_without_queues_asks_etcd_nothing(
     # The absent key is cached as absent; no queue has items: both known without etcd.
     assert rpc_count(registry, "range") + rpc_count(registry, "txn") == before
     base.close()
+
+
+# -- add(k, 0) on an absent key: torch's stores create it holding "0" (issue 24 item 5) ---
+def _add_zero_answers(s: dist.Store) -> list[object]:
+    """What a store answers around ``add(k, 0)``: on an absent key, again on the key it
+    created, on a counter, on a plain decimal someone set; then later adds."""
+    base = s.num_keys()  # TCPStore and FileStore count a key of their own
+    answers: list[object] = [s.check(["fresh"]), s.add("fresh", 0), s.get("fresh"),
+                             s.check(["fresh"]), s.num_keys() - base, s.add("fresh", 0),
+                             s.num_keys() - base, s.add("fresh", 1), s.add("fresh", 0),
+                             s.get("fresh")]
+    s.set("plain", "7")
+    answers += [s.add("plain", 0), s.get("plain"), s.add("plain", -2), s.get("plain")]
+    answers += [s.add("n", 5), s.add("n", 0), s.get("n"), s.num_keys() - base]
+    s.wait(["fresh", "n"], timedelta(seconds=5))
+    return answers
+
+
+@pytest.fixture
+def reference_stores(tmp_path):
+    """torch's HashStore, FileStore and TCPStore, each fresh."""
+    return {"HashStore": dist.HashStore(),
+            "FileStore": dist.FileStore(str(tmp_path / "filestore"), 1),
+            "TCPStore": dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30))}
+
+
+def test_add_zero_on_an_absent_key_creates_it_like_torchs_stores(
+        reference_stores, etcd, prefix):
+    expected = _add_zero_answers(dist.HashStore())
+    assert expected[:5] == [False, 0, b"0", True, 1]  # what torch's stores do
+    answers = {name: _add_zero_answers(s) for name, s in reference_stores.items()}
+    wait = timedelta(seconds=5)  # a get of a key add(k, 0) failed to create fails fast
+    with TorchEtcdStore(endpoints=[etcd.endpoint], prefix=prefix + "direct/",
+                        timeout=wait) as direct, \
+            TorchEtcdStore(endpoints=[etcd.endpoint], prefix=prefix + "p/",
+                           timeout=wait) as base:
+        answers["TorchEtcdStore"] = _add_zero_answers(direct)
+        answers["PrefixStore(TorchEtcdStore)"] = _add_zero_answers(
+            dist.PrefixStore("pg", base))
+        # Another store ("another process") sees the key add(k, 0) created.
+        with TorchEtcdStore(endpoints=[etcd.endpoint], prefix=prefix + "direct/") as other:
+            assert other.add("made-elsewhere", 0) == 0
+            assert direct.get("made-elsewhere") == b"0"
+            assert direct.check(["made-elsewhere"])
+            assert direct.add("made-elsewhere", 2) == 2 and other.get("made-elsewhere") == b"2"
+    assert answers == {name: expected for name in answers}

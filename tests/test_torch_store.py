@@ -476,3 +476,74 @@ def test_a_set_of_the_value_a_key_holds_makes_no_event(tstore, etcd, prefix):
         for store in others:
             store.close()
         raw.close()
+
+
+# -- add(k, 0) creates an absent key, and writes nothing when the key exists -------------
+def test_add_zero_writes_only_when_the_key_is_absent(own_etcd, settled, prefix):
+    """etcd's /metrics: ``add(k, 0)`` on an existing key (the counter poll of torch's
+    store-based barrier) is one read-only Txn, no proposal, no revision; on an absent key
+    one more Txn creates it (1 proposal); the adds that follow take the counter's one-Txn
+    path (no conversion of a plain "0")."""
+    store = _another(own_etcd, prefix)
+    other = _another(own_etcd, prefix)
+    try:
+        store.add("n", 5)
+        store.set("plain", "7")
+        before = settled()
+        assert store.add("fresh", 0) == 0
+        created = settled()
+        counts = created.minus(before)
+        assert (counts.requests, counts.proposals, counts.revisions) == ({"Txn": 2}, 1, 1)
+        # Exists now (created here, by a counter add, by a set): read, never written.
+        assert [s.add(k, 0) for s in (store, other) for k in ("fresh", "n", "plain")] == \
+            [0, 5, 7] * 2
+        read = settled()
+        counts = read.minus(created)
+        assert (counts.requests, counts.proposals, counts.revisions) == ({"Txn": 6}, 0, 0)
+        assert other.add("fresh", 1) == 1 and other.add("fresh", 4) == 5
+        counts = settled().minus(read)
+        assert (counts.requests, counts.proposals) == ({"Txn": 2}, 2)
+        assert store.get("fresh") == b"5" and other.get("fresh") == b"5"
+    finally:
+        store.close()
+        other.close()
+
+
+def test_add_zero_racing_a_creation_returns_the_creators_value(tstore, etcd, prefix):
+    """The create is conditional: a key created between the read that found it absent and
+    the create Txn is read back in that Txn, not overwritten."""
+    other = _another(etcd, prefix)
+    raw = raw_client(etcd)
+    reads = tstore.etcd_store._reads
+    try:
+        for name, create, value in [("counter", lambda: other.add("counter", 3), 3),
+                                    ("plain", lambda: raw.put(prefix + "plain", "9"), 9)]:
+            def meanwhile(chunk, create=create) -> None:
+                reads.after_read = None
+                create()
+
+            reads.after_read = meanwhile
+            assert tstore.add(name, 0) == value
+            assert reads.after_read is None  # the race happened
+            assert tstore.get(name) == str(value).encode()
+            assert raw.get(prefix + name)[1].version == 1  # written once, by the creator
+    finally:
+        reads.after_read = None
+        other.close()
+        raw.close()
+
+
+def test_add_zero_keeps_every_stores_cache_coherent(tstore, etcd, prefix):
+    other = _another(etcd, prefix)
+    try:
+        assert not tstore.check(["k"])  # now cached as absent, and watched
+        assert other.add("k", 0) == 0
+        eventually(lambda: tstore.check(["k"]), what="the creation to reach the watch")
+        assert tstore.get("k") == b"0"
+        other.add("k", 2)  # increments reach no watch; a counter's get reads etcd
+        assert tstore.get("k") == b"2" and tstore.add("k", 0) == 2
+        assert other.delete_key("k")
+        eventually(lambda: not tstore.check(["k"]), what="the delete to reach the watch")
+        assert tstore.add("k", 0) == 0 and other.get("k") == b"0"  # created anew, at 0
+    finally:
+        other.close()

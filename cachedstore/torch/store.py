@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from .. import queues
+from .. import counters, etcdapi, queues
 from ..cache import ThreadWaiter
 from ..clock import SYSTEM_CLOCK, Clock
 from ..config import Backoff
@@ -355,11 +355,63 @@ class TorchEtcdStore(dist.Store):
             self._wait_present(missing, deadline - clock.monotonic(), queues_count=False)
 
     def add(self, key: str, value: int) -> int:
-        """Atomically add ``value`` to the integer under ``key`` (0 if absent); return it."""
+        """Atomically add ``value`` to the integer under ``key`` (0 if absent); return it.
+
+        ``add(key, 0)`` on an absent key creates it holding 0, as torch's HashStore,
+        FileStore and TCPStore do (``get`` then returns ``b"0"``, ``check`` is true,
+        ``num_keys`` counts it): see :meth:`_add_zero`."""
+        name = self._name(key)
         try:
-            return self._etcd.add(self._name(key), value)
+            if isinstance(value, int) and not isinstance(value, bool) and value == 0:
+                return self._add_zero(name, key)
+            return self._etcd.add(name, value)
         except CachedStoreError as exc:
             raise _translate(exc, f"add {key!r}") from exc
+
+    def _add_zero(self, name: str | bytes, key: object) -> int:
+        """``add(name, 0)``: the counter's value, creating the key (a counter of base 0,
+        the layout ``add(name, n)`` creates) if it is absent.
+
+        An existing key costs what ``EtcdStore.add(name, 0)`` costs: one read-only Txn,
+        no raft proposal, no revision. etcd sends any Txn that holds a put, in either
+        branch, through raft, so the create is a second Txn, sent only when that read found
+        the key absent: "never put" → put the marker (and clear parts an earlier life of
+        the counter may have left), else → read the counter whole (someone created it in
+        between). It is sent under the store's write protocol (registered in flight, its
+        outcome reported to the cache as a write or as a fill)."""
+        etcd = self._etcd
+        # The store's internals, as EtcdStore.add uses them (its add(k, 0) leaves an absent
+        # key absent, and torch's stores do not).
+        keys = etcd._keys  # noqa: SLF001
+        reads = etcd._reads  # noqa: SLF001
+        writes = etcd._writes  # noqa: SLF001
+        cache = etcd._cache  # noqa: SLF001
+        with etcd._timed("add"):  # noqa: SLF001 -- observed like EtcdStore.add
+            canonical = keys.canonical(name)
+            writes._check_open()  # noqa: SLF001
+            found = reads.read_counters([canonical])[canonical]
+            if found is not None:
+                return found if isinstance(found, int) else counters.parse_int(found, key)
+            parts = counters.Parts(keys, canonical)
+            request = etcdapi.txn(
+                [etcdapi.never_put(parts.key)],
+                [etcdapi.op_put(etcdapi.put(parts.key, counters.mark(0))),
+                 counters.clear(parts)],
+                counters.read_ops(parts))
+            ticket, response = writes._sent(  # noqa: SLF001
+                "txn", [canonical], request, writes._conn.deadline())  # noqa: SLF001
+            revision = response.header.revision
+            if response.succeeded:
+                cache.end_write([(canonical, counters.mark(0))], ticket, revision)
+                return 0
+            kvs = response.responses[0].response_range.kvs
+            seen = {canonical: (kvs[0].value, kvs[0].mod_revision)} if kvs else {}
+            cache.end_fill([canonical], ticket, seen, revision)
+            value = counters.value_of(response.responses)
+            if isinstance(value, int):
+                return value
+            # A plain value someone set in between (the key exists: the compare failed).
+            return counters.parse_int(value.value, key) if value is not None else 0
 
     def barrier(self, key: str, world_size: int, timeout: timedelta | None = None) -> None:
         """torch 2.13's ``Store.barrier``, natively: :meth:`EtcdStore.barrier` (one raft
