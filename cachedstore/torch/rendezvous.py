@@ -99,12 +99,23 @@ def _encode(instance: str, state: bytes) -> bytes:
     return _MAGIC + instance.encode() + b"\n" + state
 
 
-def _decode(value: bytes) -> tuple[str, bytes]:
-    """(instance, torch's state) of a stored value; a value without the header (written
-    by something else) is its own instance, "foreign"."""
-    if value.startswith(_MAGIC) and len(value) >= _HEADER and value[_HEADER - 1:_HEADER] == b"\n":
-        return value[len(_MAGIC):_HEADER - 1].decode("ascii", "replace"), value[_HEADER:]
-    return "foreign", value
+_HEX = frozenset(b"0123456789abcdef")
+
+
+def _decode(value: bytes, key: bytes) -> tuple[str, bytes]:
+    """(instance, torch's state) of the value stored under ``key``. A value without the
+    header this backend writes (an instance id of 32 lowercase hex digits and a newline)
+    was not written by it: torch's ``RendezvousStateError``, as torch's own backends raise
+    for a state they cannot decode (``RendezvousBackend.get_state``'s contract). What
+    follows the header is torch's, handed over unchanged."""
+    instance = value[len(_MAGIC):_HEADER - 1]
+    if not (value.startswith(_MAGIC) and len(value) >= _HEADER
+            and value[_HEADER - 1:_HEADER] == b"\n" and _HEX.issuperset(instance)):
+        raise RendezvousStateError(
+            f"etcd-v3 rendezvous: the state object is corrupt: {key!r} holds "
+            f"{bytes(value[:40])!r}, not a state this backend wrote (no "
+            f"{_MAGIC.decode()}<instance> header)")
+    return instance.decode("ascii"), value[_HEADER:]
 
 
 #: ``put_many_if``'s ``unchanged_since``: name prefixes and name ranges → revision.
@@ -256,7 +267,10 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
     ``max_txn_ops`` is below 3.
 
     Thread-safe (torch calls it from the agent's main thread and its keep-alive timer).
-    Raises ``RendezvousConnectionError`` when etcd cannot be reached.
+    Raises ``RendezvousConnectionError`` when etcd cannot be reached, and
+    ``RendezvousStateError`` (``get_state`` and ``set_state``, as torch's own backends do)
+    when the state key holds a value this backend did not write: no header, or a header
+    whose instance is not 32 lowercase hex digits.
     """
 
     DEFAULT_TTL = 7200.0
@@ -309,7 +323,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
     def _remember(self, found: Versioned, snap: Snapshot, beats_read: bool) -> _View:
         """The view of a snapshot holding the state key (and, if ``beats_read``, the
         heartbeat keys of its instance); kept for its token."""
-        instance, bits = _decode(found.value)
+        instance, bits = _decode(found.value, self.key)
         state = heartbeats.decode(bits)
         beats: dict[str, int] | None = {} if beats_read else None
         if state is not None and beats is not None:
@@ -347,14 +361,15 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             found = snap.found.get(STATE)
             if found is None:
                 return None
-            instance = _decode(found.value)[0]
+            instance = _decode(found.value, self.key)[0]
             if instance == guess or attempt == 2:
                 return self._remember(found, snap, beats_read=instance == guess)
             guess = instance
         raise AssertionError("unreachable")
 
     def get_state(self) -> tuple[bytes, Token] | None:
-        """The state (heartbeat keys merged) and its token, or None; one read-only Txn."""
+        """The state (heartbeat keys merged) and its token, or None; one read-only Txn.
+        RendezvousStateError if the state key holds a value this backend did not write."""
         view = self._read_view()
         return None if view is None else (view.bits, view.token)
 
@@ -364,7 +379,9 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         """Write ``state`` if the stored state is still the one handed out with ``token``
         (absent when None); return (state, token, True) on success, else the stored
         (state, token, False), or None if there is no state. One Txn (plus a lease grant
-        every ``ttl / 2``)."""
+        every ``ttl / 2``). RendezvousStateError if the stored state it reads back (or
+        reads, for a token it does not know) is not one this backend wrote; it is left
+        as it is."""
         state = bytes(state)
         if token is None:
             instance = secrets.token_hex(16)  # a new rendezvous instance
@@ -451,7 +468,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             found = snap.found.get(STATE)
             if found is None:
                 return None
-            if _decode(found.value)[0] != instance:  # replaced by another instance
+            if _decode(found.value, self.key)[0] != instance:  # replaced by another instance
                 view = self._read_view()
                 return None if view is None else (view.bits, view.token, False)
             view = self._remember(found, snap, beats_read=True)
