@@ -80,17 +80,20 @@ class AsyncFront:
 
     # -- reads ------------------------------------------------------------------------------------
     async def get(self, op: str, name: Any, default: Any, timeout: Timeout,
-                  deadline: float | None = None) -> Any:
-        """``aget`` past the hot path. ``deadline`` (a clock time) overrides ``timeout``'s
-        own, so that several keys can share one."""
+                  deadline: float | None = None, consistent: bool = False) -> Any:
+        """``aget`` past the hot path, and every consistent ``aget``. ``deadline`` (a clock
+        time) overrides ``timeout``'s own, so that several keys can share one."""
         canonical = self._keys.canonical(name)
         wait = seconds(timeout)
         self._check_open()
         reads = self._reads
-        entry = reads.cached(canonical, blocking=wait is not None)
-        (self._metrics.hit if entry is not None else self._metrics.miss)[op].inc()
         if deadline is None:
             deadline = reads.deadline(wait)
+        if consistent:  # etcd's revision and the watch's catch-up: on the pool
+            entry = await self.run(reads.consistent_entry, canonical, deadline)
+        else:
+            entry = reads.cached(canonical, blocking=wait is not None)
+        (self._metrics.hit if entry is not None else self._metrics.miss)[op].inc()
         if entry is not None:
             value = entry[0]
         elif deadline is None:
@@ -115,14 +118,16 @@ class AsyncFront:
             return value
         return absent(name, default)
 
-    async def mget(self, op: str, names: list[Any], default: Any, timeout: Timeout) -> Any:
+    async def mget(self, op: str, names: list[Any], default: Any, timeout: Timeout,
+                   consistent: bool = False) -> Any:
         """``amget`` past the hot path: one deadline for the whole call."""
         wait = seconds(timeout)
         self._check_open()
         deadline = self._reads.deadline(wait)
         canonical = [self._keys.canonical(n) for n in names]
         unique = set(canonical)
-        values, hits = await self.run(self._reads.resolve, unique, wait is not None, deadline)
+        values, hits = await self.run(self._reads.resolve, unique, wait is not None, deadline,
+                                      consistent)
         self._metrics.hit[op].inc(hits)
         self._metrics.miss[op].inc(len(unique) - hits)
         for key in dict.fromkeys(canonical):  # in order: the first absent key times out

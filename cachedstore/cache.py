@@ -190,6 +190,16 @@ class CoherentCache:
             applied = [s.applied for s in self._all_scopes() if not s.opening]
         return max(applied, default=0)
 
+    def applied_for(self, name: str) -> int | None:
+        """The revision up to which every event of the scope covering canonical ``name``
+        has been applied, or None when no open scope covers it (a consistent read then
+        reads etcd). Entries of that scope are current as of it (rules 1-3)."""
+        with self._lock:
+            scope = self._scope_of(name)
+            if scope is None or scope.opening or scope.removed:
+                return None
+            return scope.applied
+
     @property
     def complete(self) -> bool:
         """True while the root scope holds every key under the prefix that exists."""

@@ -19,10 +19,11 @@ from datetime import timedelta
 from typing import Any
 
 from . import counters, etcdapi
-from .cache import CoherentCache, Entry
+from .cache import NOT_SERVING, CoherentCache, Entry
 from .clock import Clock
 from .config import StoreConfig, seconds
 from .connection import Connection
+from .consistent import Progress, SharedRevision
 from .counters import parse_int
 from .errors import EtcdConnectionError, InvalidTypeError, KeyNotFoundError, StoreTimeoutError
 from .keys import KeySpace
@@ -49,6 +50,9 @@ OUTAGE_RECHECK = 2.0
 #: scope's opening gave way to another reader's, or failed) re-checks this often: each
 #: check tries to open the scope again, after which the watch wakes it.
 UNWATCHED_RECHECK = 0.25
+#: How long a consistent read waits for the watch to apply etcd's current revision before
+#: it reads etcd itself (a progress response at that revision ends the wait sooner).
+CATCH_UP_WAIT = 0.05
 
 
 class _Missing:
@@ -115,6 +119,13 @@ class ReadThrough:
         self._stale_allowed = stale_allowed
         self._opener = opener
         self.after_read: Callable[[Sequence[str]], None] | None = None
+        #: etcd's current revision for consistent reads, one request for concurrent ones.
+        self.revisions = SharedRevision(conn, keys.internal + b"anchor", clock)
+        #: The watch's progress, told by the watcher (the store wires it).
+        self.progress = Progress(clock)
+        #: A test hook: called with the revision a consistent read waits for, before the
+        #: wait (a mutant removes the wait to show the linearizability check sees it).
+        self.before_catch_up: Callable[[int], None] | None = None
 
     # -- deadlines ---------------------------------------------------------------------------
     def deadline(self, wait: float | None) -> float | None:
@@ -147,6 +158,60 @@ class ReadThrough:
         if entry is not None:
             self._metrics.stale_reads.inc()
         return entry
+
+    def consistent(self, names: Iterable[str], deadline: float | None = None) -> set[str]:
+        """Bring the cache up to etcd's current revision for canonical ``names``: ask etcd
+        for its revision ``R`` (one request shared with concurrent callers), then wait
+        until the watch applied ``R`` in the scopes covering them. Returns the names whose
+        scope did: their entries (and a complete scope's "absent") are current as of ``R``
+        or later, a linearizable answer. The caller reads the others from etcd (as
+        linearizable): names no open scope covers, scopes the watch has not brought to
+        ``R`` within :data:`CATCH_UP_WAIT` or by the time a progress response at ``R``
+        arrived (a quiet scope gets no event to reach ``R``), and all of them while the
+        watch is down. Blocks for one round trip and that wait; raises cachedstore errors
+        when etcd cannot be reached."""
+        cache = self._cache
+        wanted = list(dict.fromkeys(names))
+        call_deadline = self._call_deadline(deadline)
+        revision = self.revisions.current(call_deadline)
+        if self.before_catch_up is not None:
+            self.before_catch_up(revision)
+        progress = self.progress
+        asked = progress.revision  # a progress response newer than this is an answer
+
+        def behind() -> list[str]:
+            late = []
+            for name in wanted:
+                applied = cache.applied_for(name)
+                if applied is not None and applied < revision:
+                    late.append(name)
+            return late
+
+        late = behind()
+        if late and cache.floor != NOT_SERVING:
+            progress.request()
+            until = min(call_deadline, self._clock.monotonic() + CATCH_UP_WAIT)
+
+            def settled() -> bool:
+                nonlocal late
+                late = behind()
+                return not late or (progress.revision > asked
+                                    and progress.revision >= revision)
+
+            progress.wait(settled, until)
+        fresh = set()
+        for name in wanted:
+            applied = cache.applied_for(name)
+            if applied is not None and applied >= revision:
+                fresh.add(name)
+        return fresh
+
+    def consistent_entry(self, canonical: str, deadline: float | None) -> Entry | None:
+        """The entry a consistent read of ``canonical`` may serve (see :meth:`consistent`),
+        or None: read etcd."""
+        if canonical in self.consistent([canonical], deadline):
+            return self._cache.lookup_or_absent(canonical)
+        return None
 
     # -- etcd reads ---------------------------------------------------------------------------
     def _filled(self, names: Sequence[str], per_txn: int, read: _ReadChunk
@@ -273,15 +338,22 @@ class ReadThrough:
         return found[canonical]
 
     def resolve(self, names: Iterable[str], blocking: bool = False,
-                deadline: float | None = None) -> tuple[dict[str, bytes | None], int]:
+                deadline: float | None = None, consistent: bool = False
+                ) -> tuple[dict[str, bytes | None], int]:
         """Values of canonical ``names``: served entries first, the rest read from etcd in
-        batches. Returns (name → value or None, number served from the cache)."""
+        batches. Returns (name → value or None, number served from the cache).
+        ``consistent``: linearizable (:meth:`consistent` decides what the cache serves)."""
         values: dict[str, bytes | None] = {}
         misses = []
         n = 0
+        names = list(names)
+        fresh = self.consistent(names, deadline) if consistent else None
         for name in names:
             n += 1
-            entry = self.cached(name, blocking)
+            if fresh is None:
+                entry = self.cached(name, blocking)
+            else:
+                entry = self._cache.lookup_or_absent(name) if name in fresh else None
             if entry is None:
                 misses.append(name)
             else:
@@ -340,15 +412,17 @@ class ReadThrough:
             cache.remove_waiter(name, waiter)
 
     # -- get / mget / check past the hot path --------------------------------------------------
-    def get(self, op: str, name: object, default: Any, timeout: Timeout) -> Any:
+    def get(self, op: str, name: object, default: Any, timeout: Timeout,
+            consistent: bool = False) -> Any:
         """``get`` of a name the hot path could not serve: bytes names, misses, absent keys,
-        blocking."""
+        blocking; and every consistent (linearizable) ``get``."""
         canonical = self._keys.canonical(name)
         wait = seconds(timeout)
         self._check_open()
-        entry = self.cached(canonical, blocking=wait is not None)
-        (self._metrics.hit if entry is not None else self._metrics.miss)[op].inc()
         deadline = self.deadline(wait)
+        entry = self.consistent_entry(canonical, deadline) if consistent \
+            else self.cached(canonical, blocking=wait is not None)
+        (self._metrics.hit if entry is not None else self._metrics.miss)[op].inc()
         value = None
         if entry is not None:
             value = entry[0]
@@ -370,14 +444,16 @@ class ReadThrough:
         return value if value is not None else absent(name, default)
 
     def mget(self, op: str, names: list[Any], default: Any, timeout: Timeout,
-             first: list[Any], pending: list[int]) -> list[Any]:
+             first: list[Any], pending: list[int], consistent: bool = False) -> list[Any]:
         """Finish an ``mget`` whose hot path served every name but those at ``pending``
-        (``first`` holds the served values)."""
+        (``first`` holds the served values; with ``consistent``, none: every name is
+        pending)."""
         wait = seconds(timeout)
         self._check_open()
         canonical = {i: self._keys.canonical(names[i]) for i in pending}
         deadline = self.deadline(wait)
-        values, hits = self.resolve(set(canonical.values()), wait is not None, deadline)
+        values, hits = self.resolve(set(canonical.values()), wait is not None, deadline,
+                                    consistent)
         self._metrics.hit[op].inc(len(names) - len(pending) + hits)
         self._metrics.miss[op].inc(len(pending) - hits)
         for i in pending:
@@ -411,10 +487,10 @@ class ReadThrough:
             first[i] = value
         return first
 
-    def check(self, names: Iterable[object]) -> bool:
+    def check(self, names: Iterable[object], consistent: bool = False) -> bool:
         self._check_open()
         canonical = {self._keys.canonical(n) for n in names_list(names)}
-        values, hits = self.resolve(canonical)
+        values, hits = self.resolve(canonical, consistent=consistent)
         self._metrics.hit["check"].inc(hits)
         self._metrics.miss["check"].inc(len(canonical) - hits)
         return all(v is not None for v in values.values())

@@ -218,6 +218,8 @@ class EtcdStore:
                                 name=f"cachedstore-watch-{self._id}", clock=self._clock)
         self._opener.watch = self._watcher.add
         self._cache.on_waiter = self._watcher.hurry
+        self._watcher.progress = self._reads.progress  # consistent reads wait on it
+        self._reads.progress.request = self._watcher.request_progress
         self._opener.fall_back = self._watcher.rescope
         self._watcher.start(revision)
         if not self._clock.wait(self._watcher.ready,
@@ -291,7 +293,8 @@ class EtcdStore:
         }
 
     # -- reads -------------------------------------------------------------------------
-    def get(self, name: Name, default: Any = MISSING, timeout: Timeout = None) -> Any:
+    def get(self, name: Name, default: Any = MISSING, timeout: Timeout = None, *,
+            consistent: bool = False) -> Any:
         """The value of ``name`` as bytes.
 
         Served from the cache when it holds the key and the watch is healthy; otherwise
@@ -307,7 +310,17 @@ class EtcdStore:
         250 ms, etcd round trips included (``timeout=0`` still reads a key the cache does
         not hold): if etcd is unreachable until then it raises
         StoreTimeoutError, whose ``__cause__`` is the EtcdConnectionError.
+
+        ``consistent=True`` makes the read linearizable: it returns a value no older than
+        every write acknowledged (to any client) before the call began. The store asks etcd
+        for its current revision (one request, shared by the consistent reads in flight)
+        and answers from the cache once its watch has applied that revision; a scope the
+        watch has not brought there within a few milliseconds (nothing of it changed), and
+        every read while the watch is down, is read from etcd instead. Costs: one range
+        (shared) and the watch's lag, or two ranges (docs/guarantees.md).
         """
+        if consistent:
+            return self._reads.get("get", name, default, timeout, True)
         tick = self._tick_get - 1
         if tick > 0:  # not sampled for latency: the hot path
             self._tick_get = tick
@@ -330,7 +343,7 @@ class EtcdStore:
             self._observe_get(time.perf_counter() - started)
 
     def mget(self, names: Iterable[Name], default: Any = MISSING,
-             timeout: Timeout = None) -> list[Any]:
+             timeout: Timeout = None, *, consistent: bool = False) -> list[Any]:
         """The values of ``names``, in order, with :meth:`get`'s rules for each key.
 
         Hits come from the cache; all misses are read together, in Txns of up to
@@ -338,17 +351,22 @@ class EtcdStore:
         blocks until every absent key is created or the (shared) timeout passes. Raises
         KeyNotFoundError for the first absent key when neither default nor timeout is
         given, InvalidTypeError for a lone str/bytes instead of a list. Thread-safe.
+        ``consistent=True``: linearizable, as for :meth:`get` (one shared revision request
+        for all the names).
         """
-        return self._mget("mget", names, default, timeout)
+        return self._mget("mget", names, default, timeout, consistent)
 
-    def _mget(self, op: str, names: Iterable[Name], default: Any, timeout: Timeout
-              ) -> list[Any]:
+    def _mget(self, op: str, names: Iterable[Name], default: Any, timeout: Timeout,
+              consistent: bool = False) -> list[Any]:
         started = time.perf_counter()
         try:
             names = names_list(names)
             lookup = self._lookup
             results: list[Any] = [None] * len(names)
             pending: list[int] = []
+            if consistent:
+                return self._reads.mget(op, names, default, timeout, results,
+                                        list(range(len(names))), True)
             for i, name in enumerate(names):
                 entry = lookup(name)
                 if entry is not None and entry[0].__class__ is bytes:
@@ -362,31 +380,41 @@ class EtcdStore:
         finally:
             self._duration[op].observe(time.perf_counter() - started)
 
-    def wait(self, names: Iterable[Name], timeout: Timeout = None) -> None:
+    def wait(self, names: Iterable[Name], timeout: Timeout = None, *,
+             consistent: bool = False) -> None:
         """Block until every key in ``names`` exists.
 
         ``timeout`` defaults to the store's ``timeout`` (300 s). Raises
         :class:`~cachedstore.StoreTimeoutError` (a TimeoutError) when it passes, also when
         etcd is unreachable until then. Waiters share the store's one watch: no extra etcd
         stream, no polling. InvalidTypeError for a lone str/bytes. Thread-safe.
+        ``consistent=True``: the first look is linearizable (a key created before the call
+        began is found without waiting for the watch).
         """
         names = names_list(names)
-        self._mget("wait", names, MISSING, self._config.timeout if timeout is None else timeout)
+        self._mget("wait", names, MISSING, self._config.timeout if timeout is None else timeout,
+                   consistent)
 
-    def check(self, names: Iterable[Name]) -> bool:
+    def check(self, names: Iterable[Name], *, consistent: bool = False) -> bool:
         """True if every key in ``names`` exists right now (never blocks on absent keys).
-        InvalidTypeError for a lone str/bytes. Thread-safe."""
+        InvalidTypeError for a lone str/bytes. Thread-safe. ``consistent=True``:
+        linearizable, as for :meth:`get`."""
         started = time.perf_counter()
         try:
-            return self._reads.check(names)
+            return self._reads.check(names, consistent)
         finally:
             self._duration["check"].observe(time.perf_counter() - started)
 
     # -- asyncio ---------------------------------------------------------------------------
-    async def aget(self, name: Name, default: Any = MISSING, timeout: Timeout = None) -> Any:
+    async def aget(self, name: Name, default: Any = MISSING, timeout: Timeout = None, *,
+                   consistent: bool = False) -> Any:
         """asyncio :meth:`get`. A hit returns without leaving the event loop's thread; an
         etcd read runs on the store's small executor; a blocking wait holds no thread.
-        Raises StoreClosedError if the store is closed meanwhile."""
+        Raises StoreClosedError if the store is closed meanwhile. ``consistent=True``:
+        linearizable, as for :meth:`get` (its revision request and catch-up run on the
+        executor)."""
+        if consistent:
+            return await self._async.get("aget", name, default, timeout, consistent=True)
         # The hit path below mirrors get()'s line for line on purpose: sharing it through a
         # helper would add a Python call (~70 ns, a tenth of a hit) to every cached read.
         tick = self._tick_aget - 1
@@ -411,10 +439,12 @@ class EtcdStore:
             self._observe_aget(time.perf_counter() - started)
 
     async def amget(self, names: Iterable[Name], default: Any = MISSING,
-                    timeout: Timeout = None) -> list[Any]:
+                    timeout: Timeout = None, *, consistent: bool = False) -> list[Any]:
         """asyncio :meth:`mget`: all hits → no thread hop; misses read on the executor;
-        ``timeout`` covers the whole call."""
+        ``timeout`` covers the whole call. ``consistent=True``: linearizable."""
         names = names_list(names)
+        if consistent:
+            return list(await self._async.mget("amget", names, default, timeout, True))
         lookup = self._lookup
         results: list[Any] = []
         for name in names:

@@ -51,6 +51,7 @@ from .cache import CoherentCache
 from .clock import SYSTEM_CLOCK, Clock
 from .config import StoreConfig
 from .connection import Connection
+from .consistent import Progress
 from .errors import CachedStoreError, EtcdPermissionError, StoreClosedError
 from .etcdapi import TRANSPORT_FAILURES, Failure
 from .keys import KeySpace
@@ -157,7 +158,8 @@ class _Stream:
     out of order. A create etcd refuses outright (permission denied) takes no id; the
     stream then ends, so the numbering never drifts."""
 
-    __slots__ = ("on_stream", "to_send", "awaiting", "by_id", "next_id", "kick")
+    __slots__ = ("on_stream", "to_send", "awaiting", "by_id", "next_id", "kick",
+                 "progress_wanted")
 
     def __init__(self, scopes: list[Scope]) -> None:
         self.on_stream = set(scopes)
@@ -168,6 +170,8 @@ class _Stream:
         self.next_id = 0
         #: Set to wake the request side: a create to send, or the stream is over.
         self.kick = threading.Event()
+        #: A consistent read asked for a progress response (sent once, at the next wake).
+        self.progress_wanted = False
 
     def sent(self, scope: Scope) -> None:
         """``scope``'s create was sent: it will be the next watch id."""
@@ -234,6 +238,9 @@ class Watcher:
         self.last_error: BaseException | None = None
         self.restarts = 0
         self._stream_was_healthy = False
+        #: Told of every response handled, and of progress responses' revisions, for the
+        #: consistent reads waiting on the watch (``consistent.py``); set by the store.
+        self.progress = Progress(clock)
 
     def start(self, revision: int) -> None:
         """Start the stream; the cache's scopes were reset at ``revision`` or later."""
@@ -424,6 +431,10 @@ class Watcher:
                     if ended.is_set():
                         return  # the stream is over
                     yield from creates()  # a scope was opened
+                    if stream.progress_wanted:  # a consistent read waits for the watch
+                        stream.progress_wanted = False
+                        self._metrics.progress_requests.inc()
+                        yield progress
                     continue
                 if self._stopping.is_set():
                     return
@@ -531,6 +542,18 @@ class Watcher:
         hurry = getattr(self._call, "hurry", None)
         if hurry is not None:
             hurry()
+
+    def request_progress(self) -> None:
+        """Ask etcd for a progress response on the live stream (a consistent read waits
+        for the watch); requests made before it is sent share it. Any thread; does not
+        block; nothing happens while no stream is up."""
+        with self._scopes_lock:
+            stream = self._stream
+            if stream is None or stream.progress_wanted:
+                return
+            stream.progress_wanted = True
+            stream.kick.set()
+        self.hurry()  # a paced transport reads the answer at once
 
     def _lagging(self) -> bool:
         """Whether a watched scope is replaying (asks liveness for progress requests)."""
@@ -652,6 +675,8 @@ class Watcher:
             self._progress_answered = True
             self._metrics.watch_revision.set(max(self._revision, response.header.revision))
             self._refresh_quiet_scopes()
+            # A hint for consistent reads to stop waiting (never a proof of order).
+            self.progress.progressed(response.header.revision)
             return None
         if scope is None or scope is self._anchor:
             return None  # a watch of a dropped scope (the store fell back to its prefix)
@@ -670,6 +695,7 @@ class Watcher:
                 batch.append((name, None, kv.mod_revision))
         last = events[-1].kv.mod_revision
         self._cache.apply_events(batch, last, scope)
+        self.progress.advanced()
         self._revision = max(self._revision, last)
         self._metrics.events_put.inc(puts)
         self._metrics.events_delete.inc(len(batch) - puts)
