@@ -135,6 +135,10 @@ class CheckerConfig:
     #: Share of reads made with ``aget`` on an event loop of the worker's (the asyncio
     #: front), the rest with ``get``.
     async_reads: float = 0.0
+    #: Share of reads made with ``consistent=True`` (recorded as ``cget``): each must also
+    #: be linearizable, i.e. return a state no older than every write of its key that any
+    #: process had seen acknowledged before the read began (real-time order).
+    consistent_reads: float = 0.0
 
     @property
     def names(self) -> list[str]:
@@ -232,10 +236,15 @@ def _worker(index: int, endpoints: list[str], prefix: str, config: dict[str, Any
             arg: Any = None
             try:
                 if op == "get":
+                    consistent = bool(cfg.consistent_reads) and \
+                        rng.random() < cfg.consistent_reads
+                    if consistent:
+                        op = "cget"
                     if cfg.async_reads and rng.random() < cfg.async_reads:
-                        value = loop.run_until_complete(store.aget(key, None))
+                        value = loop.run_until_complete(
+                            store.aget(key, None, consistent=consistent))
                     else:
-                        value = store.get(key, None)
+                        value = store.get(key, None, consistent=consistent)
                     result: Any = _text(value)
                     seen[key] = result
                 elif op == "push":
@@ -392,6 +401,14 @@ def _sabotage(kind: str) -> None:
             return True
 
         CoherentCache._finish = always  # type: ignore[method-assign]
+    elif kind == "no-catch-up":  # consistent reads answer from the cache at once
+        from cachedstore.reads import ReadThrough
+
+        def not_waiting(self: Any, names: Any, deadline: Any = None) -> set[str]:
+            self.revisions.current(self._call_deadline(deadline))  # the request, no wait
+            return {n for n in names if self._cache.applied_for(n) is not None}
+
+        ReadThrough.consistent = not_waiting  # type: ignore[method-assign]
     else:
         raise ValueError(f"unknown sabotage {kind!r}")
 
@@ -864,6 +881,29 @@ def check(report: Report) -> list[str]:
             written = timelines[key].last_revision(value) if value is not None else None
             if written is not None:
                 writes.append((started, written, ended))
+    # Per key, the revisions of acknowledged writes in the order they were acknowledged:
+    # a linearizable read that began after one must place at or after it.
+    acked_by_key: dict[str, list[tuple[float, int]]] = defaultdict(list)
+    for history in report.histories.values():
+        for op, key, arg, outcome, result, _started, ended, *_ in history:
+            if outcome != "ok" or op not in ("set", "cas", "add"):
+                continue
+            value = arg if op == "set" else arg[1] if op == "cas" and result == arg[1] \
+                else str(result) if op == "add" else None
+            written = timelines[key].last_revision(value) if value is not None else None
+            if written is not None:
+                acked_by_key[key].append((ended, written))
+    acked_ends: dict[str, list[float]] = {}
+    acked_max: dict[str, list[int]] = {}
+    for key, acked in acked_by_key.items():
+        acked.sort()
+        acked_ends[key] = [end for end, _ in acked]
+        acked_max[key] = list(itertools.accumulate((rev for _, rev in acked), max))
+
+    def acked_before(key: str, t: float) -> int:
+        k = bisect.bisect_left(acked_ends.get(key, []), t)
+        return acked_max[key][k - 1] if k else 0
+
     writes.sort()
     write_starts = [w[0] for w in writes]
     later_min = list(itertools.accumulate((w[1] for w in reversed(writes)), min))[::-1]
@@ -914,7 +954,7 @@ def check(report: Report) -> list[str]:
                 continue
             tl = timelines[key]
             # The state this operation observed or produced, as (value, exact revision?).
-            if op == "get":
+            if op in ("get", "cget"):
                 state, exact = result, False
             elif op == "set":
                 state, exact = arg, True
@@ -944,6 +984,15 @@ def check(report: Report) -> list[str]:
                 position[key] = at
             else:
                 newest = newest_at(ended)
+                if op == "cget":
+                    linear = acked_before(key, started)
+                    if tl.earliest(state, max(floor, applied, linear), newest) is None \
+                            and tl.earliest(state, max(floor, applied), newest) is not None:
+                        v.append(f"{where}: consistent read of {state!r}, which etcd no "
+                                 f"longer held at revision {linear}, written and "
+                                 f"acknowledged before the read began (linearizability)")
+                        continue
+                    applied = max(applied, linear)
                 placed = tl.earliest(state, max(floor, applied), newest)
                 if placed is None:
                     if tl.earliest(state, floor, newest) is not None:
@@ -1065,7 +1114,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="compact etcd in the middle of every cut and stall")
     parser.add_argument("--reread", action="store_true",
                         help="read back at once the key each operation touched")
-    parser.add_argument("--sabotage", choices=["no-marks", "no-gate"], default="",
+    parser.add_argument("--sabotage", choices=["no-marks", "no-gate", "no-catch-up"],
+                        default="",
                         help="revert a coherence fix in the workers (the run should fail)")
     parser.add_argument("--kill", action="store_true",
                         help="SIGKILL etcd (a cluster's leader) now and then, and restart it")
@@ -1076,6 +1126,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="odd-numbered processes watch only what they touched")
     parser.add_argument("--async-reads", type=float, default=0.0, metavar="SHARE",
                         help="share of reads made with aget")
+    parser.add_argument("--consistent-reads", type=float, default=0.0, metavar="SHARE",
+                        help="share of reads made with consistent=True (linearizable)")
     parser.add_argument("--save", metavar="FILE", help="write the whole report as JSON")
     args = parser.parse_args(argv)
     config = CheckerConfig(seed=args.seed, processes=args.processes, duration=args.duration,
@@ -1084,6 +1136,7 @@ def main(argv: list[str] | None = None) -> int:
                            compact_every_fault=args.compact_every_fault,
                            reread=args.reread, sabotage=args.sabotage, kill=args.kill,
                            queues=args.queues, async_reads=args.async_reads,
+                           consistent_reads=args.consistent_reads,
                            watch_scopes="mixed" if args.mixed_scopes else "prefix")
     started = time.monotonic()
     servers: Any = LocalEtcdCluster(args.members) if args.members > 1 else LocalEtcd()

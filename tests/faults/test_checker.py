@@ -131,7 +131,7 @@ def test_short_run_small_cache_delayed_applies_compaction_resyncs(
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(("sabotage", "processes", "seconds"),
-                         [("no-marks", 3, 6.0), ("no-gate", 3, 8.0)])
+                         [("no-marks", 3, 6.0), ("no-gate", 3, 8.0), ("no-catch-up", 3, 6.0)])
 def test_the_modes_catch_a_reverted_fix(etcd_factory: Callable[..., LocalEtcd],
                                         tmp_path: Path, sabotage: str, processes: int,
                                         seconds: float) -> None:
@@ -140,14 +140,19 @@ def test_the_modes_catch_a_reverted_fix(etcd_factory: Callable[..., LocalEtcd],
     older event re-installs a key after the process wrote or read something newer.
     ``no-gate`` (rule 3: a fill or write in flight is never refused): a read or write
     installs a state older than an event applied meanwhile, once the key was evicted in
-    between (measured: 6 to 16 violations per 8 s run in 4 seeds). Detection is a matter of
+    between (measured: 6 to 16 violations per 8 s run in 4 seeds). ``no-catch-up``
+    (consistent reads answer from the cache without waiting for the watch to apply etcd's
+    current revision): a consistent read returns a value older than a write another
+    process saw acknowledged before the read began (33 in one 8 s run). Detection is a matter of
     the schedule a seed draws (about 1 run in 10 of 6 s finds nothing): up to 3 seeds are
     tried, and the test fails only if none of them finds the violation."""
     first = _seed()
     summaries = []
     for attempt in range(3):
         config = _hard(CheckerConfig(seed=first + attempt, processes=processes,
-                                     duration=seconds, sabotage=sabotage))
+                                     duration=seconds, sabotage=sabotage,
+                                     consistent_reads=0.5 if sabotage == "no-catch-up"
+                                     else 0.0))
         workdir = tmp_path / str(attempt)
         workdir.mkdir()
         report = run(config, etcd_factory().endpoint, workdir)
@@ -158,7 +163,9 @@ def test_the_modes_catch_a_reverted_fix(etcd_factory: Callable[..., LocalEtcd],
     assert report.violations, "the reverted fix went unnoticed in 3 runs:\n" + \
         "\n".join(summaries)
     assert all("monotonic" in v or "coherence" in v or "read-your-writes" in v
-               for v in report.violations), report.summary()
+               or "linearizability" in v for v in report.violations), report.summary()
+    if sabotage == "no-catch-up":
+        assert any("linearizability" in v for v in report.violations), report.summary()
 
 
 @pytest.mark.timeout(120)
@@ -217,6 +224,18 @@ def test_short_run_on_a_cluster_that_loses_its_leader(tmp_path: Path) -> None:
         f"tests/faults/test_checker.py")
     assert report.figures["faults"].get("kill", 0) >= 1
     assert report.figures["outcomes"].get("set:ok", 0) > 0
+
+
+@pytest.mark.timeout(90)
+def test_short_run_consistent_reads_are_linearizable(
+        etcd_factory: Callable[..., LocalEtcd], tmp_path: Path) -> None:
+    """3 processes, 8 s, the adversarial modes, half the reads ``consistent=True`` in
+    both watch layouts: no consistent read returns a state older than a write of its key
+    acknowledged (to any process) before it began."""
+    config = _hard(CheckerConfig(seed=_seed(), processes=3, duration=8.0,
+                                 consistent_reads=0.5, watch_scopes="mixed"))
+    report = _run(etcd_factory, tmp_path, config)
+    assert report.figures["outcomes"].get("cget:ok", 0) > 100
 
 
 def test_plan_is_reproducible() -> None:
