@@ -135,3 +135,34 @@ def test_store_behind_grpc_proxy(etcd_factory, prefix: str, ping_interval: float
                       {"kind": "ping"}) == 0
         writer.put(prefix + "k", "v3")
         follows_by_watch(store, lambda v: writer.put(prefix + "k", v), "k", b"v3", "v4")
+
+
+def test_consistent_reads_behind_grpc_proxy(etcd_factory, prefix: str) -> None:
+    """Through ``grpc-proxy``, which forwards linearizable ranges to etcd but never answers
+    a progress request: a consistent read of a busy scope is answered from the cache once
+    the watch caught up; one whose watch is behind (held here) waits its 50 ms and reads
+    etcd; either way it returns the write acknowledged before it began."""
+    server: LocalEtcd = etcd_factory()
+    with GrpcProxy(server.endpoints) as proxy, \
+            closing(etcd3.client(*split(server.endpoint), timeout=5)) as writer, \
+            EtcdStore(endpoints=[proxy.endpoint], prefix=prefix) as store:
+        writer.put(prefix + "k", "v1")
+        assert store.get("k", consistent=True) == b"v1"
+        writer.put(prefix + "k", "v2")
+        assert store.get("k", consistent=True) == b"v2"
+        cache = store._cache
+        original = cache.apply_events
+        release = threading.Event()
+
+        def held(events, revision, scope=None) -> None:  # type: ignore[no-untyped-def]
+            release.wait(30)
+            original(events, revision, scope)
+
+        cache.apply_events = held
+        try:
+            writer.put(prefix + "k", "v3")
+            assert store.get("k") == b"v2"  # the cache, behind the held watch
+            assert store.get("k", consistent=True) == b"v3"
+        finally:
+            release.set()
+            cache.apply_events = original
