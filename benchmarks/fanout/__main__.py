@@ -41,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", default=os.path.join(HERE, "results"))
     parser.add_argument("--extras", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--machine", default="",
+                        help="how FANOUT.md names the machine of this run's rows, e.g. "
+                             "'16-core device machine' (cores and torch are added)")
+    parser.add_argument("--output", default=os.path.join(BENCH, "FANOUT.md"),
+                        help="the markdown report to write (plots go beside it, in plots/)")
     parser.add_argument("--store-options", default="{}",
                         help="JSON object of EtcdStore keywords for every rank's store, e.g. "
                              "'{\"stall_timeout\": 30}' where so many stores share 2 cores "
@@ -58,25 +63,33 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         patterns = [p for p in args.patterns.split(",") if p]
         for w in (int(x) for x in args.ws.split(",") if x):
+            path = os.path.join(args.results, f"W{w}.json")
+
+            def save(run: dict[str, object], path: str = path) -> None:
+                run["date"] = time.strftime("%Y-%m-%d %H:%M %Z")
+                run["loadavg"] = [round(x, 1) for x in os.getloadavg()]
+                run["command"] = command
+                run["store_options"] = store_options
+                if args.machine and isinstance(run.get("machine"), dict):
+                    run["machine"]["label"] = args.machine  # type: ignore[index]
+                with open(path + ".tmp", "w") as f:
+                    json.dump(run, f, indent=1, sort_keys=True)
+                os.replace(path + ".tmp", path)
+
             with LocalEtcd() as etcd:
-                run = run_world(w, etcd.endpoint, etcd.metrics_url, patterns=patterns,
-                                budget=args.budget, max_seconds=args.max_seconds,
-                                processes=args.processes)
-            run["date"] = time.strftime("%Y-%m-%d %H:%M %Z")
-            run["loadavg"] = [round(x, 1) for x in os.getloadavg()]
-            run["command"] = command
-            run["store_options"] = store_options
-            with open(os.path.join(args.results, f"W{w}.json"), "w") as f:
-                json.dump(run, f, indent=1, sort_keys=True)
+                save(run_world(w, etcd.endpoint, etcd.metrics_url, patterns=patterns,
+                               budget=args.budget, max_seconds=args.max_seconds,
+                               processes=args.processes, checkpoint=save))
         if args.extras:
             with LocalEtcd() as etcd:
                 extras = run_extras(etcd.endpoint, etcd.metrics_url)
             extras["date"] = time.strftime("%Y-%m-%d %H:%M %Z")
             with open(os.path.join(args.results, "extras.json"), "w") as f:
                 json.dump(extras, f, indent=1, sort_keys=True)
-    made = build(args.results, os.path.join(BENCH, "FANOUT.md"),
-                 os.path.join(BENCH, "plots"), "python -m benchmarks.fanout")
-    print(f"wrote {os.path.join(BENCH, 'FANOUT.md')} and plots/{', plots/'.join(made)}")
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    made = build(args.results, args.output, os.path.join(out_dir, "plots"),
+                 "python -m benchmarks.fanout")
+    print(f"wrote {args.output} and plots/{', plots/'.join(made)}")
     return 0
 
 

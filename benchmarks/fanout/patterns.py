@@ -12,8 +12,12 @@ sequences follow torch 2.13's sources:
 - ``store_barrier`` -- ``distributed_c10d._store_based_barrier`` itself (``add(k, 1)``,
   ``add(k, 0)``, whoever counts W sets ``k:last_worker``, all ``wait``), as
   ``TORCH_DIST_INIT_BARRIER=1`` runs it after ``init_process_group``;
-- ``store_api_barrier`` -- torch 2.13's ``Store.barrier(key, W)``: the store's own when its
-  class overrides it, else torch's default (``add``, last sets a key, ``wait``);
+- ``store_api_barrier`` -- ``Store.barrier(key, W)`` (torch 2.13's API) on the default
+  group's ``PrefixStore``: the store's own when the ``PrefixStore`` forwards it, else torch's
+  default (``add``, last sets a key, ``wait``) on the store below; the report says which ran
+  (``barrier_forwarded``). A torch whose ``Store`` has no ``barrier`` skips the pattern
+  (:meth:`Pattern.unsupported`, feature-detected), as it skips the ``multi_get`` patterns
+  on a torch without ``multi_get``;
 - ``elastic_barrier`` -- ``torch.distributed.elastic.utils.store.barrier``; when
   ``EtcdStore`` has a ``barrier`` of its own, that is called instead (see
   :func:`elastic_barrier_impl`);
@@ -56,7 +60,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from cachedstore.torch import EtcdV3RendezvousBackend
 
-__all__ = ["PATTERNS", "Pattern", "RankContext", "megatron_groups", "nccl_root_index"]
+__all__ = ["PATTERNS", "Pattern", "RankContext", "megatron_groups", "nccl_root_index",
+           "store_has"]
 
 #: ``TORCH_NCCL_RANKS_PER_ROOT``'s default.
 RANKS_PER_ROOT = 128
@@ -101,6 +106,28 @@ class Pattern:
     #: Run as steps ``-setup_steps`` .. ``-1`` after connecting, before measuring.
     setup: Callable[[RankContext, int], None] | None = None
     setup_steps: int = 0
+    #: ``requires(world)``: why this torch cannot run the pattern at ``world`` ranks (the
+    #: API it lacks, feature-detected), or None when it can.
+    requires: Callable[[int], str | None] = lambda world: None
+
+    def unsupported(self, world: int) -> str | None:
+        """Why the installed torch cannot run this pattern at ``world`` ranks, or None."""
+        return self.requires(world)
+
+
+def store_has(method: str) -> str | None:
+    """None if this torch's ``torch.distributed.Store`` (and so ``PrefixStore`` and
+    ``TCPStore``) has ``method``; else why a pattern that calls it cannot run."""
+    if hasattr(dist.Store, method) and hasattr(dist.PrefixStore, method):
+        return None
+    return (f"torch {_torch_version()}'s torch.distributed.Store has no {method}() "
+            f"(a newer torch's API)")
+
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
 
 
 # --------------------------------------------------------------------------- NCCL ids
@@ -299,12 +326,15 @@ def _keepalive(ctx: RankContext, step: int) -> None:
 
 
 PATTERNS: dict[str, Pattern] = {p.name: p for p in (
-    Pattern("nccl_broadcast", "NCCL-id broadcast (default group)", _nccl_broadcast),
+    Pattern("nccl_broadcast", "NCCL-id broadcast (default group)", _nccl_broadcast,
+            requires=lambda world: store_has("multi_get") if world > RANKS_PER_ROOT else None),
     Pattern("store_barrier", "store-based barrier (c10d, add + add(k,0) + wait)",
             _store_barrier),
-    Pattern("store_api_barrier", "Store.barrier (torch 2.13 API)", _store_api_barrier),
+    Pattern("store_api_barrier", "Store.barrier (torch 2.13 API)", _store_api_barrier,
+            requires=lambda world: store_has("barrier")),
     Pattern("elastic_barrier", "elastic barrier", _elastic_barrier),
-    Pattern("groups", "Megatron groups: gloo all-gather + NCCL id per group", _groups),
+    Pattern("groups", "Megatron groups: gloo all-gather + NCCL id per group", _groups,
+            requires=lambda world: store_has("multi_get")),
     Pattern("heartbeat", f"heartbeat check, {HEARTBEAT_SECONDS} simulated s", _heartbeat,
             steps=lambda world: HEARTBEAT_SECONDS),
     Pattern("heartbeat_uncached",

@@ -49,6 +49,9 @@ class RecordingStore(dist.Store):
         super().__init__()
         self._inner = inner
         self._log = log
+        #: How many ``barrier`` calls reached this store (a C++ ``PrefixStore`` above it
+        #: that runs torch's default barrier sends ``add``/``set``/``wait`` instead).
+        self.barrier_calls = 0
         self.set_timeout(inner.timeout)
 
     @property
@@ -107,6 +110,7 @@ class RecordingStore(dist.Store):
         return bool(self._inner.has_extended_api())
 
     def barrier(self, key: str, world_size: int, timeout: timedelta | None = None) -> None:
+        self.barrier_calls += 1
         if timeout is None:
             self._inner.barrier(key, world_size)
         else:

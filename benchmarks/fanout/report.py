@@ -85,6 +85,57 @@ def _total(r: dict[str, Any] | None, key: str) -> float | None:
     return None if r is None or not r.get("counts") else float(r["counts"][key])
 
 
+def _cpu_per_rank(r: dict[str, Any] | None) -> str:
+    """Client CPU per rank in µs (process CPU time of the rank processes over W)."""
+    if r is None or "client_cpu_s" not in r:
+        return "–"
+    return f"{r['client_cpu_s'] / r['world'] * 1e6:,.0f} µs"
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:,.1f}"
+
+
+def breakdown_row(r: dict[str, Any], t: dict[str, Any] | None) -> list[str] | None:
+    """One rank's wall time of ``r`` (means over ranks and steps), in ms: its wall, the
+    wait for its thread, its CPU, waiting for etcd's answers (time in ``Connection.call``
+    less the CPU spent in it), waiting for the watch's event, the rest (runnable but not
+    running: the GIL, the scheduler); then the process CPU per rank by thread kind (µs),
+    and TCPStore's rank wall and CPU beside it. None for results without a breakdown."""
+    b = r.get("breakdown") or {}
+    n = b.get("ranks", 0)
+    if not n:
+        return None
+    wall, cpu, watch = b["wall"] / n, b["cpu"] / n, b["watch"] / n
+    etcd = max(0.0, b["etcd"] - b["etcd_cpu"]) / n
+    rest = max(0.0, wall - cpu - etcd - watch)
+    w = r["world"]
+    threads = r.get("cpu_by_thread") or {}
+    split = " / ".join(f"{threads.get(k, 0.0) / w * 1e6:,.0f}"
+                       for k in ("rank", "watch", "python", "native")) if threads else "–"
+    tb = (t or {}).get("breakdown") or {}
+    tn = tb.get("ranks", 0)
+    tcp = (f"{_ms(tb['wall'] / tn)} ms, CPU {_ms(tb['cpu'] / tn)} ms" if tn else "–")
+    return [str(w), _ms(wall), _ms(b["start"] / n), _ms(cpu), _ms(b["etcd_cpu"] / n),
+            _ms(etcd), _ms(watch), _ms(rest), _cpu_per_rank(r), split, tcp]
+
+
+BREAKDOWN_HEADER = ["W", "rank wall", "thread start wait", "own CPU",
+                    "of which in etcd calls", "waiting for etcd", "waiting for the watch",
+                    "rest (GIL, scheduler)", "client CPU / rank",
+                    "by thread: rank / watch / other Python / native (µs)",
+                    "TCPStore rank wall, CPU"]
+
+
+def _machine(run: dict[str, Any]) -> str:
+    m = run.get("machine")
+    if not m:
+        return "not recorded"
+    label = m.get("label")
+    what = f"{m.get('cores', '?')} cores, torch {m.get('torch', '?')}"
+    return f"{label} ({what})" if label else what
+
+
 def _connect_per_rank(r: dict[str, Any]) -> tuple[float, float, float]:
     """(requests, unary requests, proposals) per rank of building the W stores."""
     c, w = r["connect"], r["world"]
@@ -115,12 +166,24 @@ def markdown(worlds: dict[int, dict[str, Any]], extras: dict[str, Any],
         "the stores: etcd answers them in its gRPC transport and counts no request). All "
         "per rank unless marked.",
         "",
+        "*client CPU / rank*: CPU time of the processes the ranks ran in (every thread: "
+        "ranks, watches, gRPC), during the measured steps, over W. *One rank's wall time*: "
+        "means over ranks of each rank's own step, from its thread taking the step up "
+        "(*thread start wait*: from the step's submission until then) to its end: *own "
+        "CPU* (the rank thread's CPU time, *of which in etcd calls*), *waiting for etcd* "
+        "(wall time inside `Connection.call` less the CPU spent there), *waiting for the "
+        "watch* (blocked in the store's waits for the watch's event), *rest* (runnable "
+        "but not running: the GIL, the scheduler); the process CPU per rank by thread "
+        "(the rank threads, the stores' watch threads, other Python threads, threads "
+        "Python did not start: gRPC's core). Measured from outside the library "
+        "(`benchmarks/fanout/worker.py` wraps `Connection.call` and the clock's wait).",
+        "",
         "## Runs",
         "",
-        _table(["W", "date", "worker processes", "budget per pattern", "run time", "loadavg",
-                "store options"],
-               [[str(w), r.get("date", "?"), str(r["processes"]), _s(r["budget_s"]),
-                 _s(r["elapsed_s"]), str(r.get("loadavg", "?")),
+        _table(["W", "date", "machine", "worker processes", "budget per pattern", "run time",
+                "loadavg", "store options"],
+               [[str(w), r.get("date", "?"), _machine(r), str(r["processes"]),
+                 _s(r["budget_s"]), _s(r["elapsed_s"]), str(r.get("loadavg", "?")),
                  ", ".join(f"{k}={v}" for k, v in sorted(r.get("store_options", {}).items()))
                  or "defaults"] for w, r in worlds.items()]),
         "",
@@ -129,9 +192,17 @@ def markdown(worlds: dict[int, dict[str, Any]], extras: dict[str, Any],
         if r.get("skipped"):
             lines.append(f"W={w}: not run (time budget of the run spent): "
                          f"{', '.join(r['skipped'])}.")
-    notes = sorted({n for r in worlds.values() for n in r.get("notes", [])})
-    if notes:
-        lines += ["", "Implementations exercised: " + "; ".join(notes) + ".", ""]
+        for name, reason in sorted(r.get("unsupported", {}).items()):
+            lines.append(f"W={w}: {name} not run on this torch: {reason}.")
+    by_note: dict[str, list[int]] = {}
+    for w, r in worlds.items():
+        for n in r.get("notes", []):
+            by_note.setdefault(n, []).append(w)
+    if by_note:
+        lines += ["", "Implementations exercised (runs before issue 26 named the class's "
+                  "override; later runs, what the ranks' stores were called with): " + "; ".join(
+                      f"{n} (W = {', '.join(map(str, ws))})"
+                      for n, ws in sorted(by_note.items())) + ".", ""]
 
     lines += ["## Per pattern and W", ""]
     for name, by_w in etcd.items():
@@ -145,16 +216,23 @@ def markdown(worlds: dict[int, dict[str, Any]], extras: dict[str, Any],
             rows.append([
                 str(w), _s(r["wall_s"]) + ("" if r["finished"] else " **DNF**"),
                 _s(t["wall_s"]) if t else "–", f"{ratio:,.0f}×" if ratio else "–",
+                _cpu_per_rank(r), _cpu_per_rank(t),
                 _n(_per_rank(r, "requests")), _n(_per_rank(r, "proposals")),
                 _n(_per_rank(r, "watch_msgs_sent"), 1), _n(_per_rank(r, "watch_event_msgs"), 1),
                 _n(r["extras"]["liveness_ping"] / w if "liveness_ping" in r.get("extras", {})
                    else None),
                 ", ".join(f"{k} {v:,}" for k, v in sorted(r["counts"]["requests"].items())),
                 f"{r['needed_deliveries']:,}"])
-        lines += [_table(["W", "cachedstore wall", "TCPStore wall", "ratio", "requests",
+        lines += [_table(["W", "cachedstore wall", "TCPStore wall", "ratio",
+                          "client CPU / rank", "TCPStore client CPU / rank", "requests",
                           "proposals", "watch msgs", "of which events", "PINGs",
                           "etcd requests (total, by method)", "deliveries needed (total)"],
                          rows), ""]
+        split = [row for w in ws if w in by_w
+                 for row in [breakdown_row(by_w[w], tcp.get(name, {}).get(w))] if row]
+        if split:
+            lines += ["One rank's wall time (ms, mean over ranks and steps):", "",
+                      _table(BREAKDOWN_HEADER, split), ""]
         dnf = [f"W={w}: {'; '.join(by_w[w]['errors'][:2])}" for w in ws
                if w in by_w and not by_w[w]["finished"]]
         if dnf:
@@ -387,7 +465,11 @@ def plots(worlds: dict[int, dict[str, Any]], plots_dir: str) -> list[str]:
 def build(results_dir: str, out_md: str, plots_dir: str, command: str) -> list[str]:
     """Write ``out_md`` and the plots from ``results_dir``; return the plot names."""
     worlds, extras = load(results_dir)
-    made = plots(worlds, plots_dir) if worlds else []
+    try:
+        made = plots(worlds, plots_dir) if worlds else []
+    except ImportError:  # no matplotlib here: the plots drawn before, if any
+        made = [f for f in ("fanout_requests.png", "fanout_watch.png", "fanout_wall.png")
+                if os.path.exists(os.path.join(plots_dir, f))]
     with open(out_md, "w") as f:
         f.write(markdown(worlds, extras, made, command))
     return made

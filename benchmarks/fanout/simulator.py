@@ -36,12 +36,16 @@ from .patterns import PATTERNS
 from .recording import Access
 from .worker import RankGroup, serve
 
-__all__ = ["PatternResult", "default_processes", "run_pattern"]
+__all__ = ["PatternResult", "PatternUnsupportedError", "default_processes", "run_pattern"]
 
 SETTLE_TIMEOUT = 60.0
 #: etcd's counts must stand still this long (seconds) for a pattern's traffic to be over.
 QUIET_FOR = 0.3
 CONNECT_TIMEOUT = 300.0
+
+
+class PatternUnsupportedError(ValueError):
+    """The installed torch lacks an API the pattern calls (``Pattern.unsupported``)."""
 
 
 @dataclass
@@ -61,6 +65,13 @@ class PatternResult:
     errors: list[str] = field(default_factory=list)
     extras: dict[str, Any] = field(default_factory=dict)
     processes: int = 0
+    #: CPU time of the processes the ranks ran in, during the measured steps (seconds,
+    #: all their threads: ranks, watches, gRPC), summed over the processes.
+    client_cpu_s: float = 0.0
+    #: The ranks' time in the measured steps, summed over ranks (``worker.BREAKDOWN_KEYS``).
+    breakdown: dict[str, float] = field(default_factory=dict)
+    #: ``client_cpu_s`` by thread kind (``worker.THREAD_KINDS``).
+    cpu_by_thread: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -72,6 +83,8 @@ class PatternResult:
             "needed_deliveries": self.needed_deliveries,
             "semantic_writes": self.semantic_writes, "errors": self.errors,
             "extras": self.extras, "processes": self.processes,
+            "client_cpu_s": self.client_cpu_s, "breakdown": self.breakdown,
+            "cpu_by_thread": self.cpu_by_thread,
         }
 
 
@@ -165,7 +178,9 @@ def run_pattern(pattern: str, world: int, etcd_endpoint: str | None = None,
     (a ``TCPStore`` server) is given. Returns a :class:`PatternResult` whose ``counts`` are
     etcd's traffic of the pattern (``None`` for TCPStore); ``counts.per_rank(world)`` gives
     the per-rank figures. Raises ``ValueError`` for an unknown pattern or bad arguments,
-    ``RuntimeError``/``TimeoutError`` if a worker fails to start or answer.
+    ``RuntimeError``/``TimeoutError`` if a worker fails to start or answer,
+    :class:`PatternUnsupportedError` (before starting anything) if the installed torch
+    lacks an API the pattern calls.
     """
     if pattern not in PATTERNS:
         raise ValueError(f"unknown pattern {pattern!r}; known: {sorted(PATTERNS)}")
@@ -175,6 +190,9 @@ def run_pattern(pattern: str, world: int, etcd_endpoint: str | None = None,
         raise ValueError("etcd_endpoint needs metrics_url (etcd's /metrics base URL)")
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
+    reason = PATTERNS[pattern].unsupported(world)
+    if reason is not None:
+        raise PatternUnsupportedError(f"{pattern} at W={world}: {reason}")
     endpoint = etcd_endpoint or tcp_endpoint or ""
     host, _, port = endpoint.rpartition(":")
     kind = "etcd" if etcd_endpoint is not None else "tcp"
@@ -214,6 +232,7 @@ def run_pattern(pattern: str, world: int, etcd_endpoint: str | None = None,
         errors: list[str] = []
         extras: dict[str, Any] = {}
         finished = True
+        replies: list[dict[str, Any]] = []
         t0 = time.perf_counter()
         for step in range(PATTERNS[pattern].steps(world)):
             replies = _call_all(workers, "run_step", step, deadline,
@@ -227,8 +246,17 @@ def run_pattern(pattern: str, world: int, etcd_endpoint: str | None = None,
             if not finished:
                 break
         wall = time.perf_counter() - t0
-        if "cas_attempts" in extras:
-            extras["cas_attempts"] = sum(r["extras"].get("cas_attempts", 0) for r in replies)
+        for summed in ("cas_attempts", "barrier_forwarded"):  # per worker: their sum
+            if summed in extras:
+                extras[summed] = sum(r["extras"].get(summed, 0) for r in replies)
+        client_cpu = sum(r.get("cpu_s", 0.0) for r in replies)  # totals so far, per worker
+        breakdown: dict[str, float] = {}
+        by_thread: dict[str, float] = {}
+        for reply in replies:
+            for total, part in ((breakdown, reply.get("breakdown", {})),
+                                (by_thread, reply.get("cpu_by_thread", {}))):
+                for k, v in part.items():
+                    total[k] = total.get(k, 0.0) + v
         counts = connect = None
         if measure and s0 is not None and s1 is not None:
             s2 = _settled(workers, measure)
@@ -243,7 +271,8 @@ def run_pattern(pattern: str, world: int, etcd_endpoint: str | None = None,
             pattern=pattern, world=world, backend=kind, wall_s=wall, finished=finished,
             counts=counts, connect=connect, connect_s=connect_s,
             needed_deliveries=access.needed_deliveries(), semantic_writes=access.n_writes,
-            errors=errors, extras=extras, processes=nproc)
+            errors=errors, extras=extras, processes=nproc, client_cpu_s=client_cpu,
+            breakdown=breakdown, cpu_by_thread=by_thread)
     finally:
         for w in workers:
             w.close()

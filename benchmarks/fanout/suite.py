@@ -11,11 +11,11 @@ thread-safe.
 
 from __future__ import annotations
 
+import os
+import platform
 import time
 from collections.abc import Sequence
 from typing import Any
-
-import torch.distributed as dist
 
 from .patterns import PATTERNS, elastic_barrier_impl
 from .simulator import default_processes, run_pattern
@@ -26,33 +26,55 @@ __all__ = ["DEFAULT_PATTERNS", "implementation_notes", "run_extras", "run_world"
 DEFAULT_PATTERNS = tuple(PATTERNS)
 
 
-def implementation_notes() -> list[str]:
-    """Which implementation each barrier pattern exercised with this cachedstore."""
-    from cachedstore.torch import TorchEtcdStore
+def implementation_notes(runs: Sequence[dict[str, Any]] = ()) -> list[str]:
+    """Which implementation each barrier pattern exercised with this cachedstore and torch,
+    from what the ranks' stores saw in ``runs`` (``PatternResult.as_dict()``s): no
+    assumption about torch's version (a torch without ``Store.barrier`` skips that
+    pattern; see :meth:`~benchmarks.fanout.patterns.Pattern.unsupported`)."""
+    notes = []
+    api = [r for r in runs if r["pattern"] == "store_api_barrier" and r["backend"] == "etcd"]
+    if api:
+        forwarded = sum(r.get("extras", {}).get("barrier_forwarded", 0) for r in api)
+        notes.append("store_api_barrier: " + (
+            "TorchEtcdStore's own Store.barrier (PrefixStore forwarded it)" if forwarded else
+            "torch's default Store.barrier (the C++ PrefixStore does not forward barrier to "
+            "the store below: add(k/num_members, 1), the last rank sets k/last_member, all "
+            "wait, on TorchEtcdStore)"))
+    impl = elastic_barrier_impl()
+    notes.append("elastic_barrier: " + (impl if impl != "torch elastic barrier" else
+                                        "EtcdStore has no barrier: torch.distributed.elastic."
+                                        "utils.store.barrier ran (add, last sets a key, wait)"))
+    return notes
 
-    native = TorchEtcdStore.barrier is not dist.Store.barrier
-    return [
-        "store_api_barrier: " + ("TorchEtcdStore's own Store.barrier" if native else
-                                 "TorchEtcdStore does not override Store.barrier: torch's "
-                                 "default ran (add(k/num_members, 1), the last rank sets "
-                                 "k/last_member, all wait)"),
-        "elastic_barrier: " + (elastic_barrier_impl() if elastic_barrier_impl() !=
-                               "torch elastic barrier" else
-                               "EtcdStore has no barrier: torch.distributed.elastic.utils."
-                               "store.barrier ran (add, last sets a key, wait)"),
-    ]
+
+def machine() -> dict[str, Any]:
+    """The machine a run ran on, as the report names it."""
+    import torch
+
+    return {"cores": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
+            "python": platform.python_version(), "torch": str(torch.__version__),
+            "node": platform.node()}
 
 
 def run_world(world: int, etcd_endpoint: str, metrics_url: str, *,
               patterns: Sequence[str] = DEFAULT_PATTERNS, budget: float = 120.0,
               max_seconds: float = 540.0, processes: int | None = None,
-              log: Any = print) -> dict[str, Any]:
-    """Every pattern at ``world`` ranks on etcd and on TCPStore; a JSON-able dict."""
+              log: Any = print, checkpoint: Any = None) -> dict[str, Any]:
+    """Every pattern at ``world`` ranks on etcd and on TCPStore; a JSON-able dict.
+
+    ``checkpoint``, if given, is called with the dict so far after every pattern (a run
+    killed from outside keeps what finished)."""
     started = time.monotonic()
     runs: list[dict[str, Any]] = []
     skipped: list[str] = []
+    unsupported: dict[str, str] = {}
     with TCPStoreServer() as tcp:
         for name in patterns:
+            reason = PATTERNS[name].unsupported(world)
+            if reason is not None:
+                unsupported[name] = reason
+                log(f"[fanout] W={world} {name}: not run: {reason}")
+                continue
             if time.monotonic() - started > max_seconds:
                 skipped.append(name)
                 continue
@@ -64,15 +86,26 @@ def run_world(world: int, etcd_endpoint: str, metrics_url: str, *,
                 result = run_pattern(name, world, processes=processes, budget=budget,
                                      **kwargs)
                 runs.append(result.as_dict())
+                if checkpoint is not None and kind == "tcp":
+                    checkpoint(_world_dict(world, processes, budget, runs, skipped,
+                                           unsupported, started))
                 per = result.counts.per_rank(world) if result.counts else {}
-                log(f"[fanout] W={world} {name} {kind}: wall {result.wall_s:.3f} s"
+                log(f"[fanout] W={world} {name} {kind}: wall {result.wall_s:.3f} s, client "
+                    f"CPU {result.client_cpu_s / world * 1e6:,.0f} µs/rank"
                     f"{'' if result.finished else ' (DID NOT FINISH)'}"
                     + (f", per rank {per['requests']:.2f} req, {per['proposals']:.2f} "
                        f"proposals, {per['watch_msgs_sent']:.1f} watch msgs" if per else "")
                     + f" [{time.monotonic() - t:.0f} s]")
+    return _world_dict(world, processes, budget, runs, skipped, unsupported, started)
+
+
+def _world_dict(world: int, processes: int | None, budget: float,
+                runs: list[dict[str, Any]], skipped: list[str], unsupported: dict[str, str],
+                started: float) -> dict[str, Any]:
     return {"world": world, "processes": default_processes(world) if processes is None
-            else processes, "budget_s": budget, "runs": runs, "skipped": skipped,
-            "notes": implementation_notes(), "elapsed_s": time.monotonic() - started}
+            else processes, "budget_s": budget, "runs": list(runs), "skipped": list(skipped),
+            "unsupported": dict(unsupported), "notes": implementation_notes(runs),
+            "machine": machine(), "elapsed_s": time.monotonic() - started}
 
 
 def run_extras(etcd_endpoint: str, metrics_url: str, *, log: Any = print) -> dict[str, Any]:
