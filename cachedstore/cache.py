@@ -490,13 +490,19 @@ class CoherentCache:
         scope is complete. An opening scope opens (rule 9). ``absent``: names (of this
         scope, not in the snapshot) cached as absent as of ``revision``."""
         woken: _Woken = []
+        if snapshot is not None:
+            snapshot = list(snapshot)
+        # Names the snapshot holds exist at ``revision``, whatever ``absent`` says: the
+        # snapshot's own install may evict them at once (a tiny cache; no mark: they are
+        # not ahead of the watch), and "absent" must not then be installed in their place.
+        held = {name for name, _, _ in snapshot} if snapshot else set()
         with self._lock:
             scope = scope or self._root
             if scope is None or scope.removed:
                 return
             self._reset_scope(scope, revision, snapshot, woken)
             for name in absent:
-                if self._scope_of(name) is scope:
+                if name not in held and self._scope_of(name) is scope:
                     self._install(name, None, revision, 0, woken)
             waiters = self._waiters_of(scope)
         self._wake(woken)
