@@ -225,3 +225,26 @@ def test_a_counter_deleted_before_its_value_is_read_is_waited_for_again(
         finally:
             helper.join(20)
         assert got == b"7"
+
+
+# -- found by the simulation -------------------------------------------------------------------
+def test_a_scopes_opening_never_caches_a_snapshot_name_as_absent(etcd: LocalEtcd,
+                                                                  prefix: str) -> None:
+    """Found by the whole-store simulation: an ``mget`` of 8 names in ``d/`` opens the
+    directory scope; its snapshot holds ``d/k6`` (and ``d/z``), and every asked name the
+    snapshot lacks is cached as absent. In a cache of 2, installing those evicted
+    ``d/k6`` (no mark: not ahead of the watch) and then "``d/k6`` absent" was installed
+    with the rest: the mget answered None for a key etcd held."""
+    writer = raw_client(etcd)
+    writer.put(prefix + "d/k6", "here")
+    writer.put(prefix + "d/z", "there")
+    with _store(etcd, prefix, watch_scope="touched", cache_size=2) as store:
+        # The read-through under mget, with the names in a fixed order (mget's own order
+        # follows a set's): d/k6 last, so its "absent" comes after 7 others evicted it.
+        names = [f"d/k{i}" for i in (0, 1, 2, 3, 4, 5, 7, 6)]
+        got = store._reads.fetch(names)
+        assert got["d/k6"] == b"here"
+        assert [got[n] for n in names if n != "d/k6"] == [None] * 7
+        assert store.get("d/k6") == b"here"
+        assert store.mget([f"d/k{i}" for i in range(8)], default=None) == \
+            [None] * 6 + [b"here", None]
