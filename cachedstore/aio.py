@@ -96,8 +96,8 @@ class AsyncFront:
         (self._metrics.hit if entry is not None else self._metrics.miss)[op].inc()
         if entry is not None:
             value = entry[0]
-        elif deadline is None:
-            value = (await self.run(reads.fetch, [canonical])).get(canonical)
+        elif deadline is None or consistent:  # consistent: etcd before any wait
+            value = (await self.run(reads.fetch, [canonical], deadline)).get(canonical)
         else:
             value = None
         while True:

@@ -434,24 +434,24 @@ class CoherentCache:
         """Rule 4 for one scope (under the lock)."""
         # Entries newer than the reset (a write or read that returned while the scope
         # was read afresh) stay: they are states etcd held after ``revision``.
+        # So do the high-water marks and in-flight records newer than the reset: a write
+        # of this store evicted ahead of the watch, or an update applied while a fill
+        # was in flight, stays newer than the snapshot (a quiet scope's refresh runs on a
+        # live stream: nothing else would hide the snapshot's older state of such a key).
         lru = self._lru
-        if scope is self._root:
-            gone = [n for n, e in lru.items() if e[1] <= revision]
-            for name in gone:
-                del lru[name]
-            self._metrics.entries.dec(len(gone))
-            self._dirty.clear()
-            self._marks.clear()
-        else:
-            scope_of = self._scope_of
-            gone = [n for n, e in lru.items() if e[1] <= revision and scope_of(n) is scope]
-            for name in gone:
-                del self._lru[name]
-            self._metrics.entries.dec(len(gone))
-            for table in (self._dirty, self._marks):
-                for name in [n for n in table if scope_of(n) is scope]:
-                    del table[name]
-        scope.heap.clear()
+        root = scope is self._root
+        scope_of = self._scope_of
+        gone = [n for n, e in lru.items()
+                if e[1] <= revision and (root or scope_of(n) is scope)]
+        for name in gone:
+            del lru[name]
+        self._metrics.entries.dec(len(gone))
+        for table in (self._dirty, self._marks):
+            for name in [n for n, at in table.items()
+                         if at <= revision and (root or scope_of(n) is scope)]:
+                del table[name]
+        scope.heap[:] = [(at, n) for at, n in scope.heap if self._marks.get(n) == at]
+        heapq.heapify(scope.heap)
         self._epoch += 1
         scope.reset_epoch = self._epoch
         scope.epoch_revision = revision

@@ -426,8 +426,10 @@ class ReadThrough:
         value = None
         if entry is not None:
             value = entry[0]
-        elif deadline is None:
-            value = self.fetch([canonical]).get(canonical)
+        elif deadline is None or consistent:
+            # A consistent read whose scope the watch has not brought up to date reads
+            # etcd before any wait: the wait's look at the cache would be coherent only.
+            value = self.fetch([canonical], deadline).get(canonical)
         while True:
             if value is None and deadline is not None:
                 try:

@@ -390,16 +390,22 @@ class Watcher:
         lock = self._scopes_lock
 
         def creates() -> Iterator[Any]:
-            """The creates queued on this stream, each recorded as awaiting its answer."""
+            """The creates queued on this stream, each recorded as awaiting its answer,
+            then the progress request a consistent read asked for, if any (checked after
+            the kick is cleared, so that a request made at any time is sent)."""
             while True:
                 with lock:
                     if not stream.to_send:
                         stream.kick.clear()
-                        return
+                        break
                     scope = stream.to_send.popleft()
                     stream.sent(scope)
                 yield etcdapi.watch_create(scope.start, scope.end,
                                            0 if scope is anchor else scope.applied + 1)
+            if stream.progress_wanted:  # a consistent read waits for the watch
+                stream.progress_wanted = False
+                self._metrics.progress_requests.inc()
+                yield progress
 
         progress = etcdapi.watch_progress()
         config = self._config
@@ -430,11 +436,7 @@ class Watcher:
                 if clock.wait(stream.kick, max(0.0, wake - clock.monotonic())):
                     if ended.is_set():
                         return  # the stream is over
-                    yield from creates()  # a scope was opened
-                    if stream.progress_wanted:  # a consistent read waits for the watch
-                        stream.progress_wanted = False
-                        self._metrics.progress_requests.inc()
-                        yield progress
+                    yield from creates()  # a scope was opened, or progress is wanted
                     continue
                 if self._stopping.is_set():
                     return
