@@ -66,10 +66,8 @@ import contextlib
 import heapq
 import sys
 import threading
-from collections.abc import Callable, Iterable
-from typing import Any
-
-from cachetools import LRUCache
+from collections import OrderedDict
+from collections.abc import Callable, ItemsView, Iterable, Iterator
 
 from .counters import stored
 from .metrics import NullMetrics, StoreMetrics
@@ -87,15 +85,94 @@ Ticket = int
 _Woken = list[tuple[Waiter, bytes]]
 
 
-class _LRU(LRUCache):
-    """cachetools' LRU, telling its owner what it evicts."""
+class _LRU:
+    """At most ``maxsize`` entries by name, the least recently used evicted first, telling
+    its owner what it evicts. Changed only under the owner's lock; read without it.
+
+    ``data`` holds the entries in recency order (an OrderedDict: least recent first, O(1)
+    moves and pops at both ends). A reader that does not hold the lock (the hot path,
+    :meth:`CoherentCache.lookup`) never changes ``data``: it reads it with ``data.get`` and
+    marks the name used with ``touched.add`` (one C call each, atomic under the GIL). Every
+    change (under the lock) first moves the names marked since the previous change to the
+    recent end (:meth:`_settle`), so the order is exact LRU order up to the reads between
+    two changes, which all count as more recent than that earlier change, in no particular
+    order among themselves. (The one-entry-per-hit ``move_to_end`` of an exact LRU would
+    be a change of ``data``, which needs the lock; ``benchmarks/hitpath.py --hit-ratio``
+    measures what the approximation costs in hits on a skewed workload.) Writing an entry
+    makes it the most recent, as before; ``get`` and ``__getitem__`` (the locked paths)
+    do not. (Hot paths call ``data.get``/``touched.add`` on the objects themselves: in
+    CPython 3.11 calling a bound method kept in an attribute costs a slow generic lookup.)
+    """
+
+    # ``_Cache__data``: the name cachetools gave its dict, which the model tests read.
+    __slots__ = ("_Cache__data", "_on_evict", "data", "maxsize", "touched")
 
     def __init__(self, maxsize: int, on_evict: Callable[[str, Entry], None]) -> None:
-        super().__init__(maxsize)
+        self.maxsize = maxsize
         self._on_evict = on_evict
+        self.data: OrderedDict[str, Entry] = OrderedDict()
+        self._Cache__data = self.data
+        #: Names read since the last change (``touched.add``, lock-free).
+        self.touched: set[str] = set()
 
-    def popitem(self) -> tuple[Any, Any]:
-        name, entry = super().popitem()
+    def _settle(self) -> None:
+        """Move the names read since the last change to the recent end (under the lock).
+        Readers may add names meanwhile: a name that is gone (evicted after its reader
+        found it) is dropped; at most as many names are moved as were marked on entry."""
+        touched = self.touched
+        if touched:
+            data = self.data
+            move = data.move_to_end
+            for _ in range(len(touched)):
+                try:
+                    name = touched.pop()
+                except KeyError:
+                    break
+                if name in data:
+                    move(name)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.data
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.data)
+
+    def __getitem__(self, name: str) -> Entry:
+        return self.data[name]
+
+    def get(self, name: str) -> Entry | None:
+        return self.data.get(name)
+
+    def __setitem__(self, name: str, entry: Entry) -> None:
+        self._settle()
+        data = self.data
+        if name in data:
+            data[name] = entry
+            data.move_to_end(name)
+            return
+        while data and len(data) >= self.maxsize:
+            self.popitem()
+        data[name] = entry
+
+    def __delitem__(self, name: str) -> None:
+        del self.data[name]
+        self.touched.discard(name)
+
+    def items(self) -> ItemsView[str, Entry]:
+        """The entries, least recent first (iterate under the lock: only it changes them)."""
+        return self.data.items()
+
+    def clear(self) -> None:
+        self.data.clear()
+        self.touched.clear()
+
+    def popitem(self) -> tuple[str, Entry]:
+        """Evict the least recently used entry (as of the last :meth:`_settle`)."""
+        name, entry = self.data.popitem(last=False)
+        self.touched.discard(name)
         self._on_evict(name, entry)
         return name, entry
 
@@ -265,24 +342,55 @@ class CoherentCache:
 
     # -- the hot path --------------------------------------------------------------------
     def lookup(self, name: object) -> Entry | None:
-        """The entry for ``name`` if it may be served now, else None. Never raises."""
-        with self._lock:
-            try:
-                entry = self._lru[name]
-            except (KeyError, TypeError):
-                return None
-        if entry[1] < self.floor:
+        """The entry for ``name`` if it may be served now, else None. Never raises.
+
+        Lock-free, and never returns what the locked lookup (entry read under the lock,
+        floor compared after it) would not:
+
+        * ``lru.get`` is one C-level dict lookup: under the GIL it sees the entry tuple
+          before or after any single change (insert, replace, evict, clear), never a torn
+          one, and entries are immutable tuples. Readers never change ``data``.
+        * ``floor`` is read after the entry, as the locked lookup does: a ``watch_down``,
+          reset or ``close`` that set it before this read refuses the entry (rule 6), one
+          that sets it later is ordered after this read.
+        * A change made under the lock can span several names (a transaction's events, a
+          reset dropping entries and loading a snapshot, an mset, the eviction inside an
+          install): a lone ``get`` could see it half done. So the lookup then checks
+          ``locked()``: held, and the entry is read again under the lock (the locked path,
+          exactly as before); free, and every change the ``get`` could have seen half done
+          has finished since. Then the entry was either the state before that change (the
+          read is ordered before its end, where the locked path places the change) or
+          after it; either is an answer the locked path gives to a read that overlaps it.
+        * A miss needs no check: a miss is always safe (the read goes to etcd, gated by
+          revision and epoch, rules 1-4), and a reset's new epoch is enforced there.
+
+        So a concurrent eviction returns the entry (evicted later) or None (a read-through),
+        an apply or reset returns the entry before or after it, never a mix that another
+        read of this thread could expose, and close returns nothing once its floor is set.
+        Recency: the name is marked used (``touched``), see :class:`_LRU`.
+        """
+        lru = self._lru
+        try:
+            entry = lru.data.get(name)  # type: ignore[call-overload]  # any name may come
+        except TypeError:  # unhashable: no such name
             return None
+        if entry is None or entry[1] < self.floor:
+            return None
+        if self._lock.locked():  # a change may be half done: the locked path, as before
+            with self._lock:
+                entry = lru.data.get(name)  # type: ignore[call-overload]
+            if entry is None or entry[1] < self.floor:
+                return None
+        lru.touched.add(name)  # type: ignore[arg-type]  # found, so it is a name
         return entry
 
     def lookup_or_absent(self, name: str) -> Entry | None:
         """Like :meth:`lookup`, and while the name's scope is complete and caught up, a key
         it does not hold is answered as absent as of the scope's applied revision (no etcd
-        read needed)."""
+        read needed). Takes the lock (not the hot path)."""
         with self._lock:
-            try:
-                entry = self._lru[name]
-            except KeyError:
+            entry = self._lru.get(name)
+            if entry is None:
                 if self.floor == 0:
                     scope = self._scope_of(name)
                     if scope is not None and scope.complete and not scope.opening:
@@ -290,6 +398,7 @@ class CoherentCache:
                 return None
         if entry[1] < self.floor:
             return None
+        self._lru.touched.add(name)
         return entry
 
     def peek(self, name: str) -> Entry | None:

@@ -8,8 +8,18 @@ has used every operation about 140 (``tests/test_metrics_series.py`` counts them
 
 * **Label children are created lazily**, the first time an operation, RPC method or restart
   reason is used, and then kept: ``metrics.hit["get"]`` is a plain dict lookup after the
-  first one, and the store binds ``metrics.hit["get"].inc`` once at construction, so a cache
-  hit still costs one ``Counter.inc()`` and no ``labels()`` lookup.
+  first one.
+* **Cache hits are counted without a lock.** A hit is the hot path (a few hundred ns), and
+  prometheus-client's ``Counter.inc()`` takes its value's lock (about as long as the rest of
+  the hit). ``metrics.hit[op]`` is a :class:`HitCounter`: the store binds its ``tick``, an
+  :func:`itertools.count`, once at construction and counts a hit with ``next(tick)`` (one C
+  call, atomic under the GIL: exact counts, no lock). The collector of the registry's
+  families adds the hits counted since the last collection to the exported child
+  (``cachedstore_cache_requests_total{result="hit"}``) before every collection (a scrape,
+  ``get_sample_value``), so what a scrape reads is exact as of the scrape. In
+  prometheus-client's multiprocess mode, where samples are written to files as they happen
+  and the worker that counts is not the process that scrapes, ``next(tick)`` increments the
+  child directly (the lock is paid there).
 * **Coarse buckets by default** (:data:`COARSE_BUCKETS`, five decades from 10 µs to 100 ms
   plus ``+Inf``); the fine layout (:data:`FULL_BUCKETS`, 22 bounds from 1 µs to 10 s) is a
   setting: ``make_metrics(registry, buckets="full")``. The layout is fixed per registry by
@@ -34,12 +44,13 @@ and values never appear in labels. Everything here is thread-safe (prometheus-cl
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
@@ -49,6 +60,7 @@ __all__ = [
     "COARSE_BUCKETS",
     "FULL_BUCKETS",
     "METRIC_NAMES",
+    "HitCounter",
     "NullMetrics",
     "StoreMetrics",
     "exported_names",
@@ -131,14 +143,17 @@ class _StoreCollector(Collector):
     through this object, which is what the registry holds.
     """
 
-    def __init__(self, families: Sequence[Counter | Gauge | Histogram]) -> None:
+    def __init__(self, families: Sequence[Counter | Gauge | Histogram],
+                 before: Callable[[], None] = lambda: None) -> None:
         self._families = tuple(families)
+        self._before = before
 
     def describe(self) -> Iterable[Metric]:
         for family in self._families:
             yield from family.describe()
 
     def collect(self) -> Iterable[Metric]:
+        self._before()  # the hits counted since the last collection reach their children
         for family in self._families:
             for metric in family.collect():
                 samples = [s for s in metric.samples if not s.name.endswith("_created")]
@@ -220,12 +235,87 @@ class _Families:
             "cachedstore_stale_reads_total",
             "Reads served from the cache while the watch was down (max_staleness mode).",
             **kw)
+        #: op -> the hits of that operation on this registry (shared by its stores).
+        self.hits: dict[str, HitCounter] = {}
+        self._hits_lock = threading.Lock()
         registry.register(_StoreCollector([
             self.cache_requests, self.request_duration, self.etcd_requests,
             self.etcd_duration, self.cache_entries, self.cache_evictions, self.watch_events,
             self.watch_restarts, self.watch_up, self.watch_revision, self.watch_scopes,
             self.quiet_refreshes, self.watch_liveness, self.waiters,
-            self.fills_dropped, self.stale_reads]))
+            self.fills_dropped, self.stale_reads], before=self.flush_hits))
+
+    def hit_counter(self, op: str) -> HitCounter:
+        """The hit counter of ``op`` (created with its series on first use, then kept)."""
+        with self._hits_lock:
+            counter = self.hits.get(op)
+            if counter is None:
+                counter = self.hits[op] = HitCounter(self.cache_requests.labels(op, "hit"))
+            return counter
+
+    def flush_hits(self) -> None:
+        """Add every hit counted since the last flush to its exported child."""
+        with self._hits_lock:
+            for counter in self.hits.values():
+                counter.flush()
+
+
+class _Calls:
+    """An iterator whose ``next`` calls ``fn`` (a counter child's ``inc``)."""
+
+    __slots__ = ("_fn",)
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self._fn = fn
+
+    def __iter__(self) -> _Calls:
+        return self
+
+    def __next__(self) -> None:
+        self._fn()
+
+
+class HitCounter:
+    """The cache hits of one operation on one registry: a counter child whose increments
+    by one cost one C call and no lock.
+
+    ``next(counter.tick)`` counts one hit; ``counter.inc(n)`` counts ``n`` (the child's
+    lock is taken for ``n != 1``: those are the batched and the slower paths). ``tick`` is an
+    :func:`itertools.count`: its ``next`` runs in C without releasing the GIL, so
+    concurrent hits are never lost. :meth:`flush` (the families' collector calls it, under
+    their lock, before every collection) reads the count with one more ``next`` of its own,
+    which it remembers and subtracts, and adds what is new to the child. In
+    prometheus-client's multiprocess mode ``tick`` increments the child directly.
+    """
+
+    __slots__ = ("_flushed", "_own_ticks", "child", "tick")
+
+    def __init__(self, child: Any) -> None:
+        self.child = child
+        self.tick: Iterator[Any]
+        if values.ValueClass is values.MutexValue:  # in-process values: count, flush later
+            self.tick = itertools.count()
+        else:  # multiprocess mode: samples go to the shared files as they happen
+            self.tick = _Calls(child.inc)
+        self._own_ticks = 0  # the values of ``tick`` that flush itself consumed
+        self._flushed = 0  # hits already added to the child
+
+    def inc(self, amount: float = 1) -> None:
+        if amount == 1:
+            next(self.tick)
+        else:
+            self.child.inc(amount)
+
+    def flush(self) -> None:
+        """Add the hits counted since the last flush to the child (callers serialize)."""
+        tick = self.tick
+        if not isinstance(tick, itertools.count):
+            return
+        hits = next(tick) - self._own_ticks  # every next() before this one, ours excluded
+        self._own_ticks += 1
+        if hits > self._flushed:
+            self.child.inc(hits - self._flushed)
+            self._flushed = hits
 
 
 _families_lock = threading.Lock()
@@ -275,8 +365,8 @@ class StoreMetrics:
     """The label children one store updates, created on first use and then bound.
 
     Thread-safe (prometheus-client is). ``hit``, ``miss`` and ``duration`` map an operation
-    name of :data:`READ_OPS` / :data:`ALL_OPS` to its child; bind ``metrics.hit[op].inc`` once
-    on a hot path rather than looking it up per call.
+    name of :data:`READ_OPS` / :data:`ALL_OPS` to its child (``hit``: a :class:`HitCounter`);
+    on a hot path bind ``metrics.hit_tick(op)`` once and count a hit with ``next()`` of it.
 
     Raises:
         InvalidInputError: ``buckets`` is not a layout (see :func:`resolve_buckets`), or the
@@ -287,7 +377,7 @@ class StoreMetrics:
                  buckets: str | Sequence[float] | None = None) -> None:
         self.registry = registry
         f = self._f = _families(registry, None if buckets is None else resolve_buckets(buckets))
-        self.hit = _LazyChildren(READ_OPS, lambda op: f.cache_requests.labels(op, "hit"))
+        self.hit = _LazyChildren(READ_OPS, f.hit_counter)
         self.miss = _LazyChildren(READ_OPS, lambda op: f.cache_requests.labels(op, "miss"))
         self.duration = _LazyChildren(ALL_OPS, lambda op: f.request_duration.labels(op))
         self.restarts = _LazyChildren(RESTART_REASONS, lambda r: f.watch_restarts.labels(r))
@@ -311,6 +401,12 @@ class StoreMetrics:
     def buckets(self) -> tuple[float, ...]:
         """The latency bucket bounds of this registry's histograms (without ``+Inf``)."""
         return self._f.buckets
+
+    def hit_tick(self, op: str) -> Iterator[Any]:
+        """An iterator whose ``next()`` counts one hit of ``op`` (no lock; see
+        :class:`HitCounter`)."""
+        counter: HitCounter = self.hit[op]
+        return counter.tick
 
     def rpc(self, method: str, code: str, seconds: float) -> None:
         """Record one etcd RPC (not on the hot path: a dict lookup per RPC is fine)."""
@@ -363,6 +459,13 @@ class NullMetrics:
 
     def restart(self, reason: str) -> None:
         pass
+
+    @staticmethod
+    def hit_tick(op: str) -> Iterator[Any]:
+        """An iterator whose ``next()`` does nothing (and allocates nothing)."""
+        if op not in READ_OPS:
+            raise KeyError(op)
+        return itertools.repeat(None)
 
 
 def make_metrics(registry: CollectorRegistry | None, enabled: bool = True, *,

@@ -17,7 +17,8 @@ SCRIPT = ROOT / "benchmarks" / "hitpath.py"
 @pytest.mark.timeout(120)
 def test_hitpath_compares_two_trees_side_by_side() -> None:
     """``--compare HEAD``: this checkout (A) and a temporary worktree of HEAD (B), each
-    measured in its own process importing its own tree, and the worktree removed after."""
+    measured in its own process importing its own tree, with the dict and locked-LRU
+    baselines and the zipf hit ratio of each side, and the worktree removed after."""
     before = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], check=True,
                             capture_output=True, text=True).stdout
     done = subprocess.run(
@@ -29,8 +30,12 @@ def test_hitpath_compares_two_trees_side_by_side() -> None:
     for side, runs in result["runs"].items():
         (run,) = runs
         assert run["metrics on"]["samples"] == 3 and run["metrics on"]["calls_per_sample"] == 200
-        for label in ("metrics on", "metrics=False"):
+        for label in ("metrics on", "metrics=False", "dict[k] (baseline)",
+                      "locked LRU (baseline)", "empty call (harness)"):
             assert 0 < result["figures"][side][label] < 1e6  # ns per call
+            assert result["ratios_to_dict"][side][label] > 0
+        assert result["ratios_to_dict"][side]["dict[k] (baseline)"] == 1.0
+        assert 0 < result["hit_ratio"][side]["hit_ratio"] < 1  # a zipf workload, evicting
         tree = Path(run["cachedstore"]).parent
         assert (tree == ROOT) == (side == "A"), run["cachedstore"]
     after = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], check=True,
