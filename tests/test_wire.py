@@ -18,7 +18,7 @@ from etcd3 import etcdrpc
 
 from cachedstore import EtcdStore, InvalidInputError
 from cachedstore.server import LocalEtcd, make_tls_files
-from cachedstore.wire import WINDOW, WireError, WireStub
+from cachedstore.wire import BUSY, WINDOW, WireError, WireStub
 from tests.util import eventually, raw_client
 
 pytestmark = pytest.mark.timeout(120)
@@ -385,6 +385,74 @@ def _pacing_reader(call: Any) -> tuple[list[Any], list[BaseException], threading
     return got, errors, reader
 
 
+def _busy_spell(call: Any, put: Callable[[int], None], seen: Callable[[int], bool]) -> None:
+    """Drive a pacing reader into a busy spell: one put at a time (``put(i)``), each read
+    as it comes (``seen(i)``), until the reader paces, which it does once it has read
+    BUSY responses (its create's answer included) within its interval (here a long one)."""
+    for i in range(4 * BUSY):
+        before = call._last_wait
+        put(i)
+        # Read, and the reader past its pacing decision: waiting again, paced or not.
+        eventually(lambda i=i, before=before: call._pacing_now
+                   or (seen(i) and call._last_wait != before),
+                   what=f"busy-spell event {i} read")
+        if call._pacing_now:
+            return
+    raise AssertionError(f"no busy spell after {4 * BUSY} events")
+
+
+def _read_keys(got: list[Any]) -> set[bytes]:
+    return {e.kv.key for r in got for e in r.events}
+
+
+def _raw_spell(client: Any, prefix: str, call: Any, got: list[Any]) -> int:
+    """:func:`_busy_spell` for a bare call read into ``got``; returns the responses read."""
+    _busy_spell(call, lambda i: client.put(f"{prefix}busy{i}", "x"),
+                lambda i: f"{prefix}busy{i}".encode() in _read_keys(got))
+    return len(got)
+
+
+def test_a_lone_event_after_a_quiet_spell_is_not_paced(etcd: LocalEtcd, prefix: str) -> None:
+    """Pacing engages under load only: events a few milliseconds apart, fewer than BUSY
+    within one interval, are each read as they come (no pacing wait begins, counted by the
+    call), however recently the previous one was read; the BUSY-th within an interval
+    makes the spell busy and the reader paces. The call's clock is injected: every read's
+    time is the one set before its put, whatever the machine's load."""
+    client = raw_client(etcd)
+    done = threading.Event()
+    now = [0.0]
+    call = _stub(etcd.endpoint).Watch(_requests(_create(prefix), then=done))
+    call.pace(0.005, lambda: False, lambda: now[0])
+    try:
+        assert next(call).created
+        got, errors, reader = _pacing_reader(call)
+        # After a quiet second, BUSY - 1 events within 4 ms: each read at once.
+        times = [1.0 + 0.001 * i for i in range(BUSY - 1)]
+        for i, at in enumerate(times):
+            now[0] = at
+            client.put(f"{prefix}k{i}", "v")
+            eventually(lambda i=i: len(got) == i + 1, what=f"event {i} read")
+            eventually(lambda at=at: call._last_wait == at, what="the reader waiting again")
+            assert call.paced == 0 and not call._pacing_now, f"event {i} paced"
+        # One more within the same 5 ms: BUSY responses in one interval, a busy spell.
+        now[0] = times[-1] + 0.0005
+        client.put(f"{prefix}k{BUSY}", "v")
+        eventually(lambda: call.paced == 1, what="the reader pacing in a busy spell")
+        assert len(got) == BUSY and not errors
+        # A second of quiet later a lone event is read as it comes again.
+        now[0] += 1.0
+        client.put(prefix + "lone", "v")
+        eventually(lambda: len(got) == BUSY + 1, what="the lone event read")
+        eventually(lambda: call._last_wait == now[0], what="the reader waiting again")
+        assert call.paced == 1
+    finally:
+        done.set()
+        call.cancel()
+        client.close()
+    reader.join(10)
+    assert not reader.is_alive()
+
+
 def test_a_pacing_reader_leaves_a_busy_spell_in_the_socket_until_hurried(
         etcd: LocalEtcd, prefix: str) -> None:
     """Within its interval a pacing reader reads nothing, though etcd's event sits in its
@@ -397,17 +465,17 @@ def test_a_pacing_reader_leaves_a_busy_spell_in_the_socket_until_hurried(
     try:
         assert next(call).created  # the first wait is not paced: the interval starts here
         got, errors, reader = _pacing_reader(call)
-        eventually(lambda: call._pacing_now, what="the reader pacing")
+        n = _raw_spell(client, prefix, call, got)
         client.put(prefix + "k", "v")
         eventually(lambda: _unread_bytes(call) > 0, what="the event in the socket")
-        assert got == [] and call._pacing_now and not errors
+        assert len(got) == n and call._pacing_now and not errors
         urgent[0] = True
         call.hurry()
-        eventually(lambda: got, what="the event read after hurry()")
-        assert [(e.kv.key, e.kv.value) for e in got[0].events] == [
+        eventually(lambda: len(got) > n, what="the event read after hurry()")
+        assert [(e.kv.key, e.kv.value) for e in got[n].events] == [
             ((prefix + "k").encode(), b"v")]
         client.put(prefix + "k", "w")  # urgent: no pacing, read as it comes
-        eventually(lambda: len(got) == 2, what="the next event read unpaced")
+        eventually(lambda: len(got) == n + 2, what="the next event read unpaced")
     finally:
         done.set()
         call.cancel()
@@ -418,18 +486,33 @@ def test_a_pacing_reader_leaves_a_busy_spell_in_the_socket_until_hurried(
 
 
 def test_cancel_ends_a_pacing_wait(etcd: LocalEtcd, prefix: str) -> None:
+    client = raw_client(etcd)
     done = threading.Event()
     call = _stub(etcd.endpoint).Watch(_requests(_create(prefix), then=done))
     call.pace(_HOUR, lambda: False)
     assert next(call).created
     got, errors, reader = _pacing_reader(call)
-    eventually(lambda: call._pacing_now, what="the reader pacing")
+    n = _raw_spell(client, prefix, call, got)
+    client.close()
     call.cancel()
     reader.join(10)
     done.set()
-    assert not reader.is_alive() and got == []
+    assert not reader.is_alive() and len(got) == n
     assert len(errors) == 1 and errors[0].code() is grpc.StatusCode.CANCELLED  # type: ignore[attr-defined]
     eventually(lambda: not _threads(), what="the sender thread ended")
+
+
+def _store_spell(store: EtcdStore, client: Any, prefix: str, call: Any,
+                 key: str | None = None) -> None:
+    """:func:`_busy_spell` for a store's watch: puts of ``busy<i>`` (or all of ``key``)."""
+    def put(i: int) -> None:
+        client.put(prefix + (key or f"busy{i}"), f"busy{i}")
+
+    def seen(i: int) -> bool:
+        entry = store._cache.peek(key or f"busy{i}")
+        return entry is not None and entry[0] == f"busy{i}".encode()
+
+    _busy_spell(call, put, seen)
 
 
 def test_a_blocked_get_ends_the_stores_pacing(etcd: LocalEtcd, prefix: str) -> None:
@@ -441,8 +524,8 @@ def test_a_blocked_get_ends_the_stores_pacing(etcd: LocalEtcd, prefix: str) -> N
                       progress_interval=120, stall_timeout=300,
                       ping_interval=0)
     try:
-        call = store._watcher._call  # paces from the answer to its create on
-        eventually(lambda: call._pacing_now, what="the watch pacing")
+        call = store._watcher._call
+        _store_spell(store, client, prefix, call)
         client.put(prefix + "unread", "2")
         eventually(lambda: _unread_bytes(call) > 0, what="the event in the socket")
         assert store._cache.peek("unread") is None  # paced: not applied yet
@@ -475,7 +558,7 @@ def test_a_scope_opened_while_pacing_has_its_create_answered(etcd: LocalEtcd,
         stream = store._watcher._stream
         eventually(lambda: len(stream.by_id) == 2, what="a's create answered")  # + anchor
         call = store._watcher._call
-        eventually(lambda: call._pacing_now, what="the watch pacing")
+        _store_spell(store, client, prefix, call, key="a")
         assert store.get("b") == b"2"  # opens b's scope (served from its snapshot)
         eventually(lambda: len(stream.by_id) == 3 and not stream.awaiting,
                    what="b's create answered while pacing")
@@ -494,13 +577,13 @@ def test_a_backlog_is_read_at_full_speed(etcd: LocalEtcd, prefix: str) -> None:
     try:
         assert next(call).created
         got, errors, reader = _pacing_reader(call)
-        eventually(lambda: call._pacing_now, what="the reader pacing")
+        busy = _raw_spell(client, prefix, call, got)
         n = 120  # 120 KiB of values: two reads of 64 KiB at least
         for i in range(n):
             client.put(f"{prefix}k{i}", "x" * 1024)
         eventually(lambda: _unread_bytes(call) > 1 << 16, what="a backlog in the socket")
         call.hurry()  # ends this pacing wait only (urgent() stays false)
-        eventually(lambda: sum(len(r.events) for r in got) == n, timeout=30,
+        eventually(lambda: sum(len(r.events) for r in got) == busy + n, timeout=30,
                    what="the whole backlog read")
         eventually(lambda: call._pacing_now, what="pacing again once drained")
         assert not errors
@@ -520,7 +603,7 @@ def test_a_replay_after_a_reconnect_is_not_paced(etcd: LocalEtcd, prefix: str) -
                       ping_interval=0)
     try:
         call = store._watcher._call
-        eventually(lambda: call._pacing_now, what="the watch pacing")
+        _store_spell(store, client, prefix, call)
         for i in range(2_500):  # 2,500 revisions, left unread in the paced socket
             client.put(f"{prefix}k{i}", "v")
         call.cancel()  # they are lost with the connection: the new stream replays them
