@@ -15,7 +15,7 @@ import logging
 import ssl
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -48,6 +48,9 @@ __all__ = ["Connection", "Credentials", "parse_endpoint", "translate_rpc_error"]
 IDEMPOTENT = "idempotent"  # safe to send again after any transport failure
 UNSENT_ONLY = "unsent-only"  # retried only when the request cannot have reached etcd
 
+#: Tests only (``tests/sim``): endpoint target -> factory of an in-process transport used
+#: instead of a gRPC channel (see :func:`_simulated`). Empty in production.
+STUB_FACTORIES: dict[str, Callable[[str], Any]] = {}
 #: Methods that change nothing: sent to an unchecked member, their answer's header checks it.
 _READS = frozenset({"range", "status", "lease_time_to_live"})
 #: etcd's require-leader metadata (what etcd's own clients send on watches). A member that
@@ -267,6 +270,8 @@ class Connection:
                 raise StoreClosedError("the store is closed")
             index = self._current
             ep = self._endpoints[index]
+            if ep.channel is None and ep.target in STUB_FACTORIES:
+                _simulated(ep, STUB_FACTORIES[ep.target])
             if ep.channel is None:
                 if self._channel_credentials is not None:
                     ep.channel = grpc.secure_channel(
@@ -626,6 +631,16 @@ def _read_only(request: Any) -> bool:
     """Whether a TxnRequest only reads (every operation of both branches a range)."""
     return all(op.HasField("request_range") for op in request.success) and all(
         op.HasField("request_range") for op in request.failure)
+
+
+def _simulated(ep: _Endpoint, factory: Callable[[str], Any]) -> None:
+    """Give ``ep`` the stubs of a simulated transport (``STUB_FACTORIES``): an object with
+    ``kv``, ``maintenance``, ``auth``, ``watch``, ``lease``, ``watch_stream`` and
+    ``close()``, which stands in for the channel."""
+    stubs = factory(ep.target)
+    ep.channel = stubs
+    ep.kv, ep.maintenance, ep.auth = stubs.kv, stubs.maintenance, stubs.auth
+    ep.watch, ep.lease, ep.watch_stream = stubs.watch, stubs.lease, stubs.watch_stream
 
 
 def _rpc(ep: _Endpoint, method: str) -> Any:

@@ -282,6 +282,15 @@ def _known(store: EtcdStore) -> _KnownEmpty:
         return _known_empty.setdefault(store, _KnownEmpty())
 
 
+def _vouched(store: EtcdStore) -> bool:
+    """Whether the watch vouches for what the store remembers as empty. Remembered
+    emptiness is a derived answer: trusted only while the cache is served caught up
+    (floor 0). After a reconnect the watch is up before it has replayed what it missed,
+    and the put of an item pushed meanwhile, which ends the knowledge, may still be on its
+    way: until the replay passes its creation revision, count."""
+    return store.watch_healthy and store._cache.floor == 0
+
+
 def watched(store: EtcdStore) -> bool:
     """Whether an open watch of this store covers the queues' directory: then every put
     of an item wakes its prefix waiters. Thread-safe, does not block."""
@@ -315,12 +324,7 @@ def is_nonempty(store: EtcdStore, name: str | bytes,
     store._check_open()
     known = _known(store)
     prefix = item_prefix(canonical)
-    # Remembered emptiness is a derived answer: trusted only while the cache is served
-    # caught up (floor 0). After a reconnect the watch is up before it has replayed what
-    # it missed, and the put of an item pushed meanwhile, which ends the knowledge, may
-    # still be on its way: until the replay passes its creation revision, count.
-    caught_up = store.watch_healthy and store._cache.floor == 0
-    if caught_up and (known.says_empty(RESERVED) or known.says_empty(prefix)):
+    if _vouched(store) and (known.says_empty(RESERVED) or known.says_empty(prefix)):
         return False
     # A store watching what it touched watches the queues' directory from now on.
     if opened is None:
