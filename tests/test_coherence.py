@@ -1,4 +1,4 @@
-"""The coherence guarantees of coherence.md, each against a real etcd.
+"""The coherence guarantees of docs/design.md, each against a real etcd.
 
 The races are made deterministic with hooks: a gate in front of the watch thread's apply or
 stream start, and a hook between "read from etcd" and "insert into the cache".

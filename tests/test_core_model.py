@@ -5,7 +5,7 @@ no network: a simulated etcd (puts, deletes, multi-key Txns, compaction), a watc
 delivers late and in batches (never splitting a revision), stream restarts and compaction
 resyncs, local writes whose answers are recorded late, read-through fills racing events,
 evictions from a tiny cache, and stale reads while the watch is down. After every step it
-checks the guarantees of coherence.md against the model:
+checks the guarantees of docs/design.md against the model:
 
 - coherence: a served entry holds etcd's state as of max(its revision, the applied one);
 - read-your-writes: after a local write returned, nothing older than it is served;
@@ -131,7 +131,7 @@ class CoreMachine(RuleBasedStateMachine):
             raise AssertionError(message)
 
     def raw_entries(self) -> dict:
-        return dict(self.core._lru._Cache__data)  # no LRU reordering
+        return dict(self.core._lru.data)  # no LRU reordering
 
     def observe(self, key: str, value: bytes | None, revision: int) -> None:
         """Record what a read returned, checking monotonic reads."""
