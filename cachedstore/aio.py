@@ -125,7 +125,7 @@ class AsyncFront:
         self._check_open()
         deadline = self._reads.deadline(wait)
         canonical = [self._keys.canonical(n) for n in names]
-        unique = set(canonical)
+        unique = dict.fromkeys(canonical)  # ordered: the same requests in every process
         values, hits = await self.run(self._reads.resolve, unique, wait is not None, deadline,
                                       consistent)
         self._metrics.hit[op].inc(hits)

@@ -92,7 +92,9 @@ class _LRU:
     ``data`` holds the entries in recency order (an OrderedDict: least recent first, O(1)
     moves and pops at both ends). A reader that does not hold the lock (the hot path,
     :meth:`CoherentCache.lookup`) never changes ``data``: it reads it with ``data.get`` and
-    marks the name used with ``touched.add`` (one C call each, atomic under the GIL). Every
+    marks the name used with ``touched[name] = None`` (one C-level store each, atomic under
+    the GIL; a dict, so that the order of recency, and so of eviction, does not follow str
+    hashes: the same calls evict the same names in every process). Every
     change (under the lock) first moves the names marked since the previous change to the
     recent end (:meth:`_settle`), so the order is exact LRU order up to the reads between
     two changes, which all count as more recent than that earlier change, in no particular
@@ -100,34 +102,31 @@ class _LRU:
     be a change of ``data``, which needs the lock; ``benchmarks/hitpath.py --hit-ratio``
     measures what the approximation costs in hits on a skewed workload.) Writing an entry
     makes it the most recent, as before; ``get`` and ``__getitem__`` (the locked paths)
-    do not. (Hot paths call ``data.get``/``touched.add`` on the objects themselves: in
+    do not. (Hot paths call ``data.get`` and store into ``touched`` themselves: in
     CPython 3.11 calling a bound method kept in an attribute costs a slow generic lookup.)
     """
 
-    # ``_Cache__data``: the name cachetools gave its dict, which the model tests read.
-    __slots__ = ("_Cache__data", "_on_evict", "data", "maxsize", "touched")
+    __slots__ = ("_on_evict", "data", "maxsize", "touched")
 
     def __init__(self, maxsize: int, on_evict: Callable[[str, Entry], None]) -> None:
         self.maxsize = maxsize
         self._on_evict = on_evict
         self.data: OrderedDict[str, Entry] = OrderedDict()
-        self._Cache__data = self.data
-        #: Names read since the last change (``touched.add``, lock-free).
-        self.touched: set[str] = set()
+        #: Names read since the last change (``touched[name] = None``, lock-free).
+        self.touched: dict[str, None] = {}
 
     def _settle(self) -> None:
-        """Move the names read since the last change to the recent end (under the lock).
-        Readers may add names meanwhile: a name that is gone (evicted after its reader
-        found it) is dropped; at most as many names are moved as were marked on entry."""
+        """Move the names read since the last change to the recent end (under the lock),
+        in the order they were first read. Readers may add names meanwhile (``list`` of a
+        dict of str is one step under the GIL): those wait for the next change; a name
+        that is gone (evicted after its reader found it) is dropped."""
         touched = self.touched
         if touched:
             data = self.data
             move = data.move_to_end
-            for _ in range(len(touched)):
-                try:
-                    name = touched.pop()
-                except KeyError:
-                    break
+            pop = touched.pop
+            for name in list(touched):
+                pop(name, None)
                 if name in data:
                     move(name)
 
@@ -159,7 +158,7 @@ class _LRU:
 
     def __delitem__(self, name: str) -> None:
         del self.data[name]
-        self.touched.discard(name)
+        self.touched.pop(name, None)
 
     def items(self) -> ItemsView[str, Entry]:
         """The entries, least recent first (iterate under the lock: only it changes them)."""
@@ -172,7 +171,7 @@ class _LRU:
     def popitem(self) -> tuple[str, Entry]:
         """Evict the least recently used entry (as of the last :meth:`_settle`)."""
         name, entry = self.data.popitem(last=False)
-        self.touched.discard(name)
+        self.touched.pop(name, None)
         self._on_evict(name, entry)
         return name, entry
 
@@ -381,7 +380,7 @@ class CoherentCache:
                 entry = lru.data.get(name)  # type: ignore[call-overload]
             if entry is None or entry[1] < self.floor:
                 return None
-        lru.touched.add(name)  # type: ignore[arg-type]  # found, so it is a name
+        lru.touched[name] = None  # type: ignore[index]  # found, so it is a name
         return entry
 
     def lookup_or_absent(self, name: str) -> Entry | None:
@@ -398,7 +397,7 @@ class CoherentCache:
                 return None
         if entry[1] < self.floor:
             return None
-        self._lru.touched.add(name)
+        self._lru.touched[name] = None
         return entry
 
     def peek(self, name: str) -> Entry | None:

@@ -454,7 +454,9 @@ class ReadThrough:
         self._check_open()
         canonical = {i: self._keys.canonical(names[i]) for i in pending}
         deadline = self.deadline(wait)
-        values, hits = self.resolve(set(canonical.values()), wait is not None, deadline,
+        # In the order given (not a set's, which follows str hashes): the same call makes
+        # the same requests in every process (the simulation replays exactly).
+        values, hits = self.resolve(dict.fromkeys(canonical.values()), wait is not None, deadline,
                                     consistent)
         self._metrics.hit[op].inc(len(names) - len(pending) + hits)
         self._metrics.miss[op].inc(len(pending) - hits)
@@ -491,7 +493,7 @@ class ReadThrough:
 
     def check(self, names: Iterable[object], consistent: bool = False) -> bool:
         self._check_open()
-        canonical = {self._keys.canonical(n) for n in names_list(names)}
+        canonical = dict.fromkeys(self._keys.canonical(n) for n in names_list(names))
         values, hits = self.resolve(canonical, consistent=consistent)
         self._metrics.hit["check"].inc(hits)
         self._metrics.miss["check"].inc(len(canonical) - hits)

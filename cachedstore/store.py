@@ -338,7 +338,7 @@ class EtcdStore:
                     and not cache._lock.locked():  # noqa: SLF001
                 value = entry[0]
                 if value.__class__ is bytes:  # not None (absent), not a counter's marker
-                    lru.touched.add(name)  # type: ignore[arg-type]  # found: a str
+                    lru.touched[name] = None  # type: ignore[index]  # found: a str
                     next(self._hits_get)
                     return value
             return self._reads.get("get", name, default, timeout)
@@ -441,7 +441,7 @@ class EtcdStore:
                     and not cache._lock.locked():  # noqa: SLF001
                 value = entry[0]
                 if value.__class__ is bytes:
-                    lru.touched.add(name)  # type: ignore[arg-type]  # found: a str
+                    lru.touched[name] = None  # type: ignore[index]  # found: a str
                     next(self._hits_aget)
                     return value
             return await self._async.get("aget", name, default, timeout)
