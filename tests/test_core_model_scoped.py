@@ -168,7 +168,7 @@ class ScopedMachine(RuleBasedStateMachine):
         return ROOT if self.collapsed else scope_key(name)
 
     def raw_entries(self) -> dict:
-        return dict(self.core._lru._Cache__data)  # no LRU reordering
+        return dict(self.core._lru.data)  # no LRU reordering
 
     def version(self, name: str, value: bytes | None, revision: int) -> int:
         return int(value[1:]) if value is not None else self.etcd.state_at(name, revision)[1]
