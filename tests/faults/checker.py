@@ -72,6 +72,7 @@ from typing import Any
 
 import grpc
 from etcd3 import etcdrpc
+from sim.history import Record, check_history
 
 from faults.proxy import FaultProxy
 
@@ -162,10 +163,17 @@ class Report:
     queue_left: list[str] = field(default_factory=list)
     #: How often the oracle's watch had to be resumed (a killed member).
     oracle_restarts: int = 0
+    #: etcd's change log under the prefix (see ``_Oracle.changes``).
+    changes: list[tuple[int, bytes, bytes | None]] = field(default_factory=list)
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the whole report as JSON (histories, oracle events, plan, results)."""
-        Path(path).write_text(json.dumps(asdict(self)))
+        """Write the whole report as JSON (histories, oracle events, plan, results; etcd's
+        change log with keys and values as latin-1 text)."""
+        data = asdict(self)
+        data["changes"] = [(rev, key.decode("latin-1"),
+                            None if value is None else value.decode("latin-1"))
+                           for rev, key, value in self.changes]
+        Path(path).write_text(json.dumps(data))
 
     def summary(self) -> str:
         lines = [f"checker seed={self.config.seed} processes={self.config.processes} "
@@ -479,6 +487,9 @@ class _Oracle:
         self._stop = threading.Event()
         self._call: Any = None
         self.events: list[tuple[int, str, str | None, float]] = []
+        #: Every change under the prefix as etcd made it: (mod_revision, key without the
+        #: prefix, value or None for a delete), for the shared history checker.
+        self.changes: list[tuple[int, bytes, bytes | None]] = []
         self.revision = start_revision - 1
         self.restarts = 0
         self.error: BaseException | str | None = None
@@ -530,6 +541,8 @@ class _Oracle:
             for event in response.events:
                 kv = event.kv
                 name = kv.key[plen:]
+                self.changes.append((kv.mod_revision, bytes(name),
+                                     bytes(kv.value) if event.type == _PUT else None))
                 if self._counter.update(name, kv, event.type == _PUT):
                     counter_at = kv.mod_revision
                     continue
@@ -674,7 +687,8 @@ def run(config: CheckerConfig, endpoint: str, workdir: str | os.PathLike[str],
         histories[i], metrics[i] = data["history"], data["metrics"]
     report = Report(config, prefix, plan, histories, metrics,
                     [e for e in oracle.events if e[1] != "__end__"], start_at,
-                    queue_left=queue_left, oracle_restarts=oracle.restarts)
+                    queue_left=queue_left, oracle_restarts=oracle.restarts,
+                    changes=[c for c in oracle.changes if c[1] != b"__end__"])
     check(report)
     return report
 
@@ -1043,6 +1057,10 @@ def check(report: Report) -> list[str]:
                  f"maybe={maybe_adds}")
     if cfg.queues:
         v.extend(_check_queue(queue_ops, report.queue_left))
+    # The simulation's history checker judges the same history (one set of rules for both).
+    shared = check_history(_records(report), report.changes, counters=[COUNTER],
+                           final_counters={COUNTER: int(final.get(COUNTER) or 0)})
+    v.extend(f"history: {finding}" for finding in shared)
     restarts: Counter[str] = Counter()
     for m in report.metrics.values():
         for name, count in m.items():
@@ -1068,6 +1086,54 @@ def check(report: Report) -> list[str]:
             f"maybe={len(queue_ops['push', 'maybe']) + len(queue_ops['pop', 'maybe'])} "
             f"left={len(report.queue_left)}")
     return v
+
+
+_SHARED_OPS = {"get": "get", "cget": "get", "set": "set", "delete": "delete",
+               "cas": "compare_set", "add": "add", "push": "queue_push", "pop": "queue_pop"}
+
+
+def _records(report: Report) -> list[Record]:
+    """The run's history as the shared checker's records (``tests/sim/history.py``): real
+    time orders them (CLOCK_MONOTONIC, shared by the processes); etcd's revision at a
+    return is unknown (the newest is used); each process's last settle read of each key
+    is a quiescent read (it must return etcd's final state)."""
+    def data(text: Any) -> bytes | None:
+        return None if text is None else str(text).encode("utf-8", "surrogateescape")
+
+    last_settle: dict[tuple[int, str], int] = {}
+    for proc, history in report.histories.items():
+        for i, rec in enumerate(history):
+            if rec[7] == "settle" and rec[0] == "get" and rec[3] == "ok":
+                last_settle[(proc, rec[1])] = i
+    out = []
+    for proc, history in report.histories.items():
+        for i, (op, key, arg, outcome, result, started, ended, _phase, applied) in \
+                enumerate(history):
+            if op not in _SHARED_OPS or key == "*":
+                continue
+            r = Record(store=proc, op=_SHARED_OPS[op], names=[key], bounds={key: applied},
+                       invoked=started, returned=ended, inv_rev=0, ret_rev=None)
+            if outcome != "ok":
+                r.error = "EtcdConnectionError" if outcome in ("conn", "maybe") \
+                    else outcome.split(":", 1)[-1]
+            if op == "set":
+                r.args = {"value": data(arg)}
+            elif op == "cas":
+                r.args = {"expected": data(arg[0]), "desired": data(arg[1])}
+            elif op == "add":
+                r.args = {"amount": 1}
+            elif op == "push":
+                r.args = {"value": data(arg)}
+            if r.error is None:
+                if op == "add":
+                    r.result = int(result)
+                elif op == "pop" and result is None:
+                    r.error = "QueueEmptyError"
+                elif op != "push":
+                    r.result = data(result)
+            r.quiescent = last_settle.get((proc, key)) == i
+            out.append(r)
+    return out
 
 
 def _check_queue(ops: dict[tuple[str, str], list[str | None]], left: list[str]
