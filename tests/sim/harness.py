@@ -688,14 +688,17 @@ class Sim:
         applied revision of the scope covering it, and the revision at which the
         scheduler delivered the creation of the store's current stream (after a
         reconnect, nothing older than that is served while the replay runs); etcd's
-        current revision while the stream is down or not created yet (or no open scope
-        covers the name): the read then goes to etcd. Taken from what the scheduler did,
-        not from the store's own floor, so that a store serving too early is caught."""
+        current revision while the store knows its stream is down, or before the
+        scheduler delivered the current stream's creation (or no open scope covers the
+        name): the read then goes to etcd. The creation is taken from what the scheduler
+        did, not from the store's own floor, so that a store serving too early is caught."""
         cache = store.etcd._cache  # noqa: SLF001
         scope = cache.scope_of(canonical)
+        # A stream the scheduler broke while the watch thread was held (a resync read) is
+        # still the store's until the thread sees the break: like a partition not yet
+        # detected, the store serves what its watch applied (its promises hold for that).
         call = store.call
-        up = (call is not None and not call.closed and call.error is None
-              and store.created_call is call and cache.floor != NOT_SERVING)
+        up = call is not None and store.created_call is call and cache.floor != NOT_SERVING
         if not up or scope is None or scope.opening:
             return int(self.model.revision)
         return max(scope.applied, store.created_revision)
