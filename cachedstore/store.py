@@ -310,7 +310,9 @@ class EtcdStore:
         each bounded by ``request_timeout``). A blocking get outlasts its timeout by at most
         250 ms, etcd round trips included (``timeout=0`` still reads a key the cache does
         not hold): if etcd is unreachable until then it raises
-        StoreTimeoutError, whose ``__cause__`` is the EtcdConnectionError.
+        StoreTimeoutError, whose ``__cause__`` is the EtcdConnectionError. A blocking read
+        that finds a counter deleted before its value was read waits for the key again
+        (``aget``, ``mget`` and ``amget`` alike).
 
         ``consistent=True`` makes the read linearizable: it returns a value no older than
         every write acknowledged (to any client) before the call began. The store asks etcd

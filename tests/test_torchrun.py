@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousStateError
 from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry as handler_registry,
 )
@@ -71,11 +71,16 @@ def test_set_state_is_a_compare_and_swap_on_mod_revision(etcd_store, etcd, prefi
     assert backend.set_state(b"s3", token) == (b"s2", token2, False)  # stale token
     assert backend.set_state(b"s3", "not-a-token") == (b"s2", token2, False)
     assert backend.get_state() == (b"s2", token2)
-    # Another client's write moves the token: ours is stale.
-    raw_client(etcd).put(f"{prefix}run/state", "theirs")
+    # Another agent's write moves the token: ours is stale.
+    other = EtcdV3RendezvousBackend(etcd_store, "run", ttl=100)
+    assert other.set_state(b"theirs", other.get_state()[1])[2] is True
     value, token3 = backend.get_state()
     assert value == b"theirs" and token3 > token2
     assert backend.set_state(b"mine", token2)[2] is False
+    # A value no agent of this backend wrote is torch's RendezvousStateError, left as is.
+    raw_client(etcd).put(f"{prefix}run/state", "theirs")
+    with pytest.raises(RendezvousStateError):
+        backend.get_state()
 
 
 def test_state_key_has_a_lease_reused_between_writes_and_regranted_when_lost(

@@ -43,11 +43,20 @@ Modes (:class:`CheckerConfig`), each also a CI test in ``test_checker.py``:
 - ``sabotage``: revert one fix of the coherence core in the workers, to show the checker
   finds the violations it lets through.
 
+More modes (each also a CI test): ``kill`` (etcd, or a cluster's leader, SIGKILLed and
+restarted on its data; ``members=3`` runs against a 3-member cluster), ``queues`` (pushes
+and pops: none lost, duplicated or invented), ``watch_scopes="mixed"`` (every other
+process watches only what it touched; coherence is judged per scope), ``async_reads``
+(``aget``), ``consistent_reads`` (linearizability of ``consistent=True`` reads). The same
+history is also judged by the simulation's checker (``tests/sim/history.py``).
+
 By hand, from the ``tests`` directory::
 
     python -m faults.checker --seed 7 --processes 4 --duration 120
     python -m faults.checker --seed 7 --duration 60 --cache-size 2 --apply-delay 0.02 \\
         --compact-every-fault --reread
+    python -m faults.checker --seed 7 --duration 120 --members 3 --kill --queues \\
+        --mixed-scopes --async-reads 0.2 --consistent-reads 0.3
 """
 
 from __future__ import annotations
