@@ -10,40 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
 
 from cachedstore import EtcdStore
 from cachedstore.server import LocalEtcd
-from tests.util import eventually, raw_client, rpc_count
+from tests.util import eventually, held_watch, raw_client, rpc_count
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def _store(server: LocalEtcd, prefix: str, **kwargs: Any) -> EtcdStore:
     return EtcdStore(endpoints=[server.endpoint], prefix=prefix, **kwargs)
-
-
-@contextmanager
-def held_watch(store: EtcdStore) -> Iterator[threading.Event]:
-    """Hold the watch thread before it applies anything; set the event to release it."""
-    release = threading.Event()
-    cache = store._cache
-    original = cache.apply_events
-
-    def held(events: Any, revision: int, scope: Any = None) -> None:
-        release.wait(30)
-        original(events, revision, scope)
-
-    cache.apply_events = held  # type: ignore[method-assign]
-    try:
-        yield release
-    finally:
-        release.set()
-        cache.apply_events = original  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("scope", ["prefix", "touched"])

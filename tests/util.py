@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
 
 import etcd3
 import grpc
@@ -64,3 +66,23 @@ class FakeRpcError(grpc.RpcError):
 
     def details(self) -> str:
         return self._details
+
+
+@contextmanager
+def held_watch(store: Any) -> Iterator[threading.Event]:
+    """Hold ``store``'s watch thread before it applies anything (its ``apply_events``);
+    set the event yielded to release it. A deterministic "the watch is behind"."""
+    release = threading.Event()
+    cache = store._cache
+    original = cache.apply_events
+
+    def held(events: Any, revision: int, scope: Any = None) -> None:
+        release.wait(30)
+        original(events, revision, scope)
+
+    cache.apply_events = held
+    try:
+        yield release
+    finally:
+        release.set()
+        cache.apply_events = original

@@ -108,6 +108,7 @@ from etcd3 import etcdrpc
 from etcd3.etcdrpc import kv_pb2
 
 from cachedstore.clock import FakeClock
+from cachedstore.wire import WireError
 
 __all__ = ["ETCD_VERSION", "EtcdModel", "ModelRpcError", "ModelWatchStream"]
 
@@ -140,18 +141,9 @@ ERR_AUTH_NOT_ENABLED = (_C.FAILED_PRECONDITION, "etcdserver: authentication is n
 WATCH_RANGE_EMPTY = "mvcc: watcher range is empty"
 
 
-class ModelRpcError(grpc.RpcError):
-    """A failed call, as grpcio reports one: ``code()`` and ``details()``."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
+class ModelRpcError(WireError):
+    """A failed call, as grpcio reports one: ``code()`` and ``details()`` (the store's own
+    wire transport's error class, which is a ``grpc.RpcError``)."""
 
     def __repr__(self) -> str:
         return f"ModelRpcError({self._code.name}, {self._details!r})"

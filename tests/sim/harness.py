@@ -51,6 +51,7 @@ from cachedstore import connection
 from cachedstore.cache import NOT_SERVING
 from cachedstore.config import Backoff, StoreConfig
 from cachedstore.store import EtcdStore
+from cachedstore.wire import WireError
 
 __all__ = ["SAFETY", "HarnessError", "Op", "Sim", "SimClock", "SimLock", "SimRpcError",
            "SimStore"]
@@ -67,22 +68,8 @@ class HarnessError(AssertionError):
     """The harness itself is stuck or misused (not a finding about the store)."""
 
 
-class SimRpcError(grpc.RpcError):
+class SimRpcError(WireError):
     """A transport failure the scheduler injects (stream reset, lost answer)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self._code = code
-        self._details = details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-    def __str__(self) -> str:
-        return f"{self._code.name}: {self._details}"
 
 
 # -- parks -------------------------------------------------------------------------------
