@@ -179,31 +179,31 @@ class ReadThrough:
         progress = self.progress
         asked = progress.revision  # a progress response newer than this is an answer
 
-        def behind() -> list[str]:
-            late = []
+        def split() -> tuple[set[str], bool]:
+            """(names whose scope applied ``revision``, whether a watched one has not)."""
+            fresh, behind = set(), False
             for name in wanted:
                 applied = cache.applied_for(name)
-                if applied is not None and applied < revision:
-                    late.append(name)
-            return late
+                if applied is not None:
+                    if applied >= revision:
+                        fresh.add(name)
+                    else:
+                        behind = True
+            return fresh, behind
 
-        late = behind()
-        if late and cache.floor != NOT_SERVING:
+        fresh, behind = split()
+        if behind and cache.floor != NOT_SERVING:
             progress.request()
             until = min(call_deadline, self._clock.monotonic() + CATCH_UP_WAIT)
 
             def settled() -> bool:
-                nonlocal late
-                late = behind()
-                return not late or (progress.revision > asked
-                                    and progress.revision >= revision)
+                nonlocal fresh, behind
+                fresh, behind = split()
+                return not behind or (progress.revision > asked
+                                      and progress.revision >= revision)
 
             progress.wait(settled, until)
-        fresh = set()
-        for name in wanted:
-            applied = cache.applied_for(name)
-            if applied is not None and applied >= revision:
-                fresh.add(name)
+            fresh = split()[0]  # what the watch applied up to the end of the wait
         return fresh
 
     def consistent_entry(self, canonical: str, deadline: float | None) -> Entry | None:
