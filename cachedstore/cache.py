@@ -571,10 +571,8 @@ class CoherentCache:
         # which may have applied newer events, and then been evicted without a mark (they
         # were not ahead of their own scope): installing the snapshot's older state of
         # such a name would serve it stale for good.
-        nested = self._root is None
-        scope_of = self._scope_of
         for name, value, mod_revision in snapshot or ():
-            if nested and scope_of(name) is not scope:
+            if not root and scope_of(name) is not scope:
                 continue
             self._install(name, value, revision, mod_revision, woken)  # may evict
         if scope.opening:  # rule 9: what ended while the snapshot was read, if newer
