@@ -216,10 +216,10 @@ class EtcdStore:
                                          deadline)
             self._cache.reset(revision, entries)
         self._watcher = Watcher(self._conn, self._keys, self._cache, cfg, self.metrics,
-                                name=f"cachedstore-watch-{self._id}", clock=self._clock)
+                                name=f"cachedstore-watch-{self._id}", clock=self._clock,
+                                progress=self._reads.progress)  # consistent reads wait on it
         self._opener.watch = self._watcher.add
         self._cache.on_waiter = self._watcher.hurry
-        self._watcher.progress = self._reads.progress  # consistent reads wait on it
         self._reads.progress.request = self._watcher.request_progress
         self._opener.fall_back = self._watcher.rescope
         self._watcher.start(revision)

@@ -193,7 +193,7 @@ class Watcher:
 
     def __init__(self, conn: Connection, keyspace: KeySpace, cache: CoherentCache,
                  config: StoreConfig, metrics: StoreMetrics | NullMetrics, name: str,
-                 clock: Clock = SYSTEM_CLOCK) -> None:
+                 clock: Clock = SYSTEM_CLOCK, progress: Progress | None = None) -> None:
         self._conn = conn
         #: Every timer of the watch (progress, stall, access checks, back-off) reads it;
         #: gRPC's own timeouts (the liveness probe) are real seconds.
@@ -239,8 +239,8 @@ class Watcher:
         self.restarts = 0
         self._stream_was_healthy = False
         #: Told of every response handled, and of progress responses' revisions, for the
-        #: consistent reads waiting on the watch (``consistent.py``); set by the store.
-        self.progress = Progress(clock)
+        #: consistent reads waiting on the watch (``consistent.py``).
+        self.progress = progress or Progress(clock)
 
     def start(self, revision: int) -> None:
         """Start the stream; the cache's scopes were reset at ``revision`` or later."""
