@@ -62,6 +62,7 @@ __all__ = [
     "clear",
     "compact_request",
     "convert_request",
+    "create_request",
     "fold_request",
     "is_mark",
     "mark",
@@ -176,6 +177,15 @@ def add_result(response: Any, amount: int) -> tuple[str, int | Any]:
     if nested.succeeded:
         return "created", amount
     return "plain", nested.responses[0].response_range.kvs[0]
+
+
+def create_request(p: Parts) -> Any:
+    """A Txn creating the counter with base 0 if its key was never put (and clearing any
+    parts left by an earlier life of the counter), else reading it whole (the answers of
+    :func:`read_ops`, for :func:`value_of`)."""
+    return etcdapi.txn([etcdapi.never_put(p.key)],
+                       [etcdapi.op_put(etcdapi.put(p.key, mark(0))), clear(p)],
+                       read_ops(p))
 
 
 def compact_request(p: Parts, answers: Sequence[Any], max_txn_ops: int) -> Any | None:

@@ -236,6 +236,23 @@ class Writer:
             if self._put_if(canonical, request, counters.mark(value), deadline).succeeded:
                 return value
 
+    def create_counter(self, canonical: str) -> int | Any:
+        """Create counter ``canonical`` with value 0 if its key was never put (one Txn,
+        :func:`counters.create_request`, under the in-flight protocol: a write if it
+        created, else a fill of what it read). Returns 0, the counter's value if someone
+        created it meanwhile, or the key's kv if it holds a plain value."""
+        self._check_open()
+        request = counters.create_request(counters.Parts(self._keys, canonical))
+        ticket, response = self._sent("txn", [canonical], request, self._conn.deadline())
+        revision = response.header.revision
+        if response.succeeded:
+            self._cache.end_write([(canonical, counters.mark(0))], ticket, revision)
+            return 0
+        kvs = response.responses[0].response_range.kvs
+        seen = {canonical: (kvs[0].value, kvs[0].mod_revision)} if kvs else {}
+        self._cache.end_fill([canonical], ticket, seen, revision)
+        return counters.value_of(response.responses)
+
     def append(self, name: object, value: object) -> bytes:
         data = _plain(value)
         return self.read_modify_write(name, lambda current: (current or b"") + data)

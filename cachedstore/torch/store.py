@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from .. import counters, etcdapi, queues
+from .. import counters, queues
 from ..cache import ThreadWaiter
 from ..clock import SYSTEM_CLOCK, Clock
 from ..config import Backoff
@@ -382,32 +382,13 @@ class TorchEtcdStore(dist.Store):
         etcd = self._etcd
         # The store's internals, as EtcdStore.add uses them (its add(k, 0) leaves an absent
         # key absent, and torch's stores do not).
-        keys = etcd._keys  # noqa: SLF001
-        reads = etcd._reads  # noqa: SLF001
-        writes = etcd._writes  # noqa: SLF001
-        cache = etcd._cache  # noqa: SLF001
         with etcd._timed("add"):  # noqa: SLF001 -- observed like EtcdStore.add
-            canonical = keys.canonical(name)
-            writes._check_open()  # noqa: SLF001
-            found = reads.read_counters([canonical])[canonical]
+            canonical = etcd._keys.canonical(name)  # noqa: SLF001
+            etcd._check_open()  # noqa: SLF001
+            found = etcd._reads.read_counters([canonical])[canonical]  # noqa: SLF001
             if found is not None:
                 return found if isinstance(found, int) else counters.parse_int(found, key)
-            parts = counters.Parts(keys, canonical)
-            request = etcdapi.txn(
-                [etcdapi.never_put(parts.key)],
-                [etcdapi.op_put(etcdapi.put(parts.key, counters.mark(0))),
-                 counters.clear(parts)],
-                counters.read_ops(parts))
-            ticket, response = writes._sent(  # noqa: SLF001
-                "txn", [canonical], request, writes._conn.deadline())  # noqa: SLF001
-            revision = response.header.revision
-            if response.succeeded:
-                cache.end_write([(canonical, counters.mark(0))], ticket, revision)
-                return 0
-            kvs = response.responses[0].response_range.kvs
-            seen = {canonical: (kvs[0].value, kvs[0].mod_revision)} if kvs else {}
-            cache.end_fill([canonical], ticket, seen, revision)
-            value = counters.value_of(response.responses)
+            value = etcd._writes.create_counter(canonical)  # noqa: SLF001
             if isinstance(value, int):
                 return value
             # A plain value someone set in between (the key exists: the compare failed).
