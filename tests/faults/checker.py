@@ -396,28 +396,22 @@ def _delay_applies(store: Any, cfg: CheckerConfig, rng: random.Random
     return delays
 
 
+#: The checker's sabotage kinds that are the simulation's mutants.
+_AS_MUTANT = {"no-marks": "eviction_mark", "no-gate": "late_write_gate"}
+_ACTIVE: list[Any] = []
+
+
 def _sabotage(kind: str) -> None:
-    """Revert one coherence fix of :class:`~cachedstore.cache.CoherentCache` in this
-    process (before its store is created), so a run shows the checker would notice."""
-    from cachedstore.cache import CoherentCache
+    """Revert one coherence fix in this process (before its store is created), so a run
+    shows the checker would notice: ``no-marks`` and ``no-gate`` are the simulation's
+    mutants ``eviction_mark`` (rule 2) and ``late_write_gate`` (rule 3), left active for
+    the worker's life; ``no-catch-up`` makes consistent reads skip their wait."""
+    from sim.mutants import MUTANTS
 
-    if kind == "no-marks":  # rule 2 gone: an evicted entry leaves no high-water mark
-        def evicted(self: Any, name: str, entry: Any) -> None:
-            scope = self._scope_of(name)
-            if scope is not None:
-                scope.complete = False
-            self._metrics.evictions.inc()
-            self._metrics.entries.dec()
-
-        CoherentCache._evicted = evicted  # type: ignore[method-assign]
-    elif kind == "no-gate":  # rule 3 gone: nothing applied meanwhile refuses a result
-        finish = CoherentCache._finish
-
-        def always(self: Any, name: str, ticket: int, revision: int) -> bool:
-            finish(self, name, ticket, revision)
-            return True
-
-        CoherentCache._finish = always  # type: ignore[method-assign]
+    if kind in _AS_MUTANT:
+        mutant = MUTANTS[_AS_MUTANT[kind]]()
+        mutant.__enter__()  # never exited: the process ends with it
+        _ACTIVE.append(mutant)  # kept: a collected context manager would undo the patch
     elif kind == "no-catch-up":  # consistent reads answer from the cache at once
         from cachedstore.reads import ReadThrough
 
