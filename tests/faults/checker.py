@@ -852,18 +852,20 @@ class _Timeline:
             placed = max(at_least, self.starts[self.absent[k]])
         return placed if placed <= at_most else None
 
-    def replaced_at(self, value: str | None, before: float, acked_at: dict[int, float]
-                    ) -> float | None:
-        """When the state ``value`` -- its latest occurrence seen before ``before`` -- was
-        replaced (no later than the oracle saw it or its writer was acknowledged); None if
-        it is still current or unknown."""
-        occurrences = self.occurrences(value)
-        candidates = [j for j in occurrences if self.seen_at[j] <= before][-1:] or \
-            occurrences[:1]
-        for j in candidates:
-            if j + 1 < len(self.starts):
-                return min(self.seen_at[j + 1], acked_at.get(self.starts[j + 1], INF))
-        return None
+    def replaced_at(self, value: str | None, at_least: int, at_most: int,
+                    acked_at: dict[int, float]) -> float | None:
+        """When the *latest* state holding ``value`` within revisions [``at_least``,
+        ``at_most``] was replaced (no later than the oracle saw it or its writer was
+        acknowledged); None if it is still current or there is none. The latest, so that a
+        read of "absent" just after the reader's own ``delete`` is judged by that absence,
+        not by an older one: staleness is measured at the most favourable placement the
+        history allows, so that a violation is one under every placement."""
+        js = [j for j in self.occurrences(value)
+              if self.starts[j] <= at_most and self.end(j) >= at_least]
+        if not js or js[-1] + 1 >= len(self.starts):
+            return None
+        j = js[-1]
+        return min(self.seen_at[j + 1], acked_at.get(self.starts[j + 1], INF))
 
 
 def check(report: Report) -> list[str]:
@@ -1023,7 +1025,7 @@ def check(report: Report) -> list[str]:
                                  f"read-your-writes")
                     continue
                 position[key] = placed
-                replaced = tl.replaced_at(state, ended, acked_at)
+                replaced = tl.replaced_at(state, placed, newest, acked_at)
                 if op != "delete" and replaced is not None and started > replaced:
                     stale_reads += 1
                     max_stale = max(max_stale, started - replaced)

@@ -245,6 +245,48 @@ def test_short_run_consistent_reads_are_linearizable(
     assert report.figures["outcomes"].get("cget:ok", 0) > 100
 
 
+def _staleness_report(*, deleted: bool) -> Report:
+    """p1 puts ``k0`` ("a", revision 2, over the absence since revision 0) at t=1 and, if
+    ``deleted``, deletes it (revision 3) at t=10; p0 reads "absent" at t=10.01, its watch
+    having applied revision 2 (3 if ``deleted``). The oracle's watch saw the delete at
+    t=10.5, after the read returned (a loaded machine)."""
+    config = CheckerConfig(seed=1, processes=2, keys=1)
+    applied = 3 if deleted else 0
+    reader = [["get", "k0", None, "ok", None, 10.01, 10.01, "run", applied],
+              ["get", "k0", None, "ok", None, 20.0, 20.0, "settle", applied]]
+    writer = [["set", "k0", "a", "ok", None, 0.9, 1.0, "run", 0]]
+    events = [(2, "k0", "a", 1.0)]
+    if deleted:
+        writer.append(["delete", "k0", None, "ok", True, 10.0, 10.0, "run", 2])
+        events.append((3, "k0", None, 10.5))
+    writer.append(["get", "k0", None, "ok", None if deleted else "a", 20.0, 20.0, "settle",
+                   applied])
+    if not deleted:
+        reader[1][4] = "a"
+    return Report(config, "/p/", [], {0: reader, 1: writer}, {0: {}, 1: {}}, events, 0.0)
+
+
+def test_staleness_is_judged_at_the_reads_latest_placement() -> None:
+    """A read of "absent" just after a delete is current, even when the oracle's watch saw
+    that delete later than the read returned: it is not judged by the older absence that a
+    put replaced 9 s before (a CI failure: "read None 3.582 s after etcd replaced it")."""
+    report = _staleness_report(deleted=True)
+    check(report)
+    assert not [v for v in report.violations if "after etcd replaced it" in v], \
+        report.violations
+    assert report.figures["reads older than etcd (count, max s)"] == (0, 0.0)
+
+
+def test_staleness_bound_catches_an_old_absence() -> None:
+    """The same read with no delete -- its only placement is the absence the put replaced
+    9 s earlier -- is reported against the bound."""
+    report = _staleness_report(deleted=False)
+    check(report)
+    assert [v for v in report.violations if "after etcd replaced it" in v] == [
+        "p0 get(k0) at +10.010s: read None 9.010 s after etcd replaced it (bound 3.5 s)"], \
+        report.violations
+
+
 def test_plan_is_reproducible() -> None:
     config = CheckerConfig(seed=1234)
     assert make_plan(config) == make_plan(CheckerConfig(seed=1234))
