@@ -14,33 +14,23 @@ import asyncio
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
-from . import counters
-from .cache import CoherentCache
-from .clock import Clock
-from .config import seconds
-from .errors import EtcdConnectionError, StoreClosedError, StoreTimeoutError
-from .keys import KeySpace
-from .metrics import NullMetrics, StoreMetrics
-from .reads import MISSING, ReadThrough, Timeout, absent
+from .errors import StoreClosedError
+from .reads import ReadThrough, Timeout
+from .steps import Call, Pause, Steps, resume
 from .waiters import AsyncWaiter
 
 __all__ = ["AsyncFront"]
+
+T = TypeVar("T")
 
 
 class AsyncFront:
     """The asyncio side of one store. Safe to use from any number of event loops."""
 
-    def __init__(self, reads: ReadThrough, keys: KeySpace, cache: CoherentCache,
-                 metrics: StoreMetrics | NullMetrics, clock: Clock,
-                 check_open: Callable[[], None], thread_name: str) -> None:
+    def __init__(self, reads: ReadThrough, thread_name: str) -> None:
         self._reads = reads
-        self._keys = keys
-        self._cache = cache
-        self._metrics = metrics
-        self._clock = clock
-        self._check_open = check_open
         self._thread_name = thread_name
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
@@ -79,110 +69,46 @@ class AsyncFront:
             self._executor = None
 
     # -- reads ------------------------------------------------------------------------------------
-    async def get(self, op: str, name: Any, default: Any, timeout: Timeout,
-                  deadline: float | None = None, consistent: bool = False) -> Any:
-        """``aget`` past the hot path, and every consistent ``aget``. ``deadline`` (a clock
-        time) overrides ``timeout``'s own, so that several keys can share one."""
-        canonical = self._keys.canonical(name)
-        wait = seconds(timeout)
-        self._check_open()
-        reads = self._reads
-        if deadline is None:
-            deadline = reads.deadline(wait)
-        if consistent:  # etcd's revision and the watch's catch-up: on the pool
-            entry = await self.run(reads.consistent_entry, canonical, deadline)
-        else:
-            entry = reads.cached(canonical, blocking=wait is not None)
-        (self._metrics.hit if entry is not None else self._metrics.miss)[op].inc()
-        if entry is not None:
-            value = entry[0]
-        elif deadline is None or consistent:  # consistent: etcd before any wait
-            value = (await self.run(reads.fetch, [canonical], deadline)).get(canonical)
-        else:
+    async def drive(self, steps: Steps[T]) -> T:
+        """Run a read's logic (``steps.py``) on the event loop: each etcd round trip on the
+        pool, each pause on an :class:`AsyncWaiter` (no thread held). The coroutine's own
+        cancellation is thrown into the logic, so that its waiter is removed."""
+        done, step = resume(steps, None, None)
+        while not done:
+            done, step = resume(steps, *(await self._answer(step)))
+        return step
+
+    async def _answer(self, step: Any) -> tuple[Any, BaseException | None]:
+        """(the step's answer, None), or (None, what it raised: the caller's cancellation
+        too) to throw into the logic."""
+        try:
+            if step.__class__ is Call:
+                return await self.run(step.fn, *step.args), None
+            if step.__class__ is Pause:
+                return await self._pause(step.waiter, step.seconds), None
+            return AsyncWaiter(asyncio.get_running_loop()), None
+        except BaseException as exc:  # noqa: BLE001 -- thrown into the logic
+            return None, exc
+
+    @staticmethod
+    async def _pause(waiter: AsyncWaiter, seconds: float) -> bytes | None:
+        try:
+            value = await asyncio.wait_for(asyncio.shield(waiter.future), seconds)
+        except asyncio.TimeoutError:
             value = None
-        while True:
-            if value is None and deadline is not None:
-                try:
-                    value = await self._await_for(canonical, deadline, timeout)
-                except StoreTimeoutError:
-                    if default is MISSING:
-                        raise
-            if not counters.is_mark(value):
-                break
-            value = await self.run(reads.decimal, canonical, value)
-            if value is not None or deadline is None:
-                break
-            # The counter was deleted meanwhile: a blocking read waits for it again, as
-            # the blocking ``get`` does (``ReadThrough.get``).
-        if value is not None:
-            return value
-        return absent(name, default)
+        if waiter.future.done():
+            waiter.renew()
+        return value
+
+    async def get(self, op: str, name: Any, default: Any, timeout: Timeout,
+                  consistent: bool = False) -> Any:
+        """``aget`` past the hot path, and every consistent ``aget``: the logic of the
+        blocking ``get`` (``ReadThrough.get_steps``)."""
+        return await self.drive(self._reads.get_steps(op, name, default, timeout, consistent))
 
     async def mget(self, op: str, names: list[Any], default: Any, timeout: Timeout,
-                   consistent: bool = False) -> Any:
-        """``amget`` past the hot path: one deadline for the whole call."""
-        wait = seconds(timeout)
-        self._check_open()
-        deadline = self._reads.deadline(wait)
-        canonical = [self._keys.canonical(n) for n in names]
-        unique = dict.fromkeys(canonical)  # ordered: the same requests in every process
-        values, hits = await self.run(self._reads.resolve, unique, wait is not None, deadline,
-                                      consistent)
-        self._metrics.hit[op].inc(hits)
-        self._metrics.miss[op].inc(len(unique) - hits)
-        for key in dict.fromkeys(canonical):  # in order: the first absent key times out
-            if values.get(key) is None and deadline is not None:
-                try:
-                    values[key] = await self._await_for(key, deadline, timeout)
-                except StoreTimeoutError:
-                    if default is MISSING:
-                        raise
-        while any(counters.is_mark(v) for v in values.values()):
-            marked = [key for key, v in values.items() if counters.is_mark(v)]
-            await self.run(self._reads.decimals, values)
-            if deadline is None:
-                break
-            for key in marked:  # deleted meanwhile: wait for it again, as ``mget`` does
-                if values.get(key) is None:
-                    try:
-                        values[key] = await self._await_for(key, deadline, timeout)
-                    except StoreTimeoutError:
-                        if default is MISSING:
-                            raise
-        out = []
-        for name, key in zip(names, canonical, strict=True):
-            value = values.get(key)
-            out.append(value if value is not None else absent(name, default))
-        return out
-
-    async def _await_for(self, name: str, deadline: float, timeout: Timeout) -> bytes:
-        waiter = AsyncWaiter(asyncio.get_running_loop())
-        cache = self._cache
-        cache.add_waiter(name, waiter)
-        outage: EtcdConnectionError | None = None
-        try:
-            while True:
-                self._check_open()
-                entry = cache.lookup_or_absent(name)
-                value = None
-                if entry is not None:
-                    value = entry[0]
-                elif deadline - self._clock.monotonic() > 0 or outage is None:
-                    try:
-                        value = (await self.run(self._reads.fetch, [name], deadline)).get(name)
-                        outage = None
-                    except EtcdConnectionError as exc:
-                        outage = exc
-                if value is not None:
-                    return value
-                pause = self._reads.pause(name, deadline, timeout, outage)
-                try:
-                    value = await asyncio.wait_for(asyncio.shield(waiter.future), pause)
-                except asyncio.TimeoutError:
-                    value = None
-                if waiter.future.done():
-                    waiter.renew()
-                if value is not None:
-                    return value
-        finally:
-            cache.remove_waiter(name, waiter)
+                   consistent: bool = False) -> list[Any]:
+        """``amget`` past the hot path: the logic of ``mget``, every name pending."""
+        return await self.drive(self._reads.mget_steps(
+            op, names, default, timeout, [None] * len(names), list(range(len(names))),
+            consistent))

@@ -29,7 +29,7 @@ from .errors import EtcdConnectionError, InvalidTypeError, KeyNotFoundError, Sto
 from .keys import KeySpace
 from .metrics import NullMetrics, StoreMetrics
 from .opener import ScopeOpener
-from .waiters import ThreadWaiter
+from .steps import NEW_WAITER, Call, Pause, Steps, drive
 
 __all__ = ["MAX_WAIT", "MISSING", "UNWATCHED_RECHECK", "ReadThrough", "Timeout", "absent",
            "describe", "names_list"]
@@ -379,49 +379,58 @@ class ReadThrough:
             return min(remaining, UNWATCHED_RECHECK)
         return min(remaining, MAX_WAIT)
 
-    def wait_for(self, name: str, deadline: float, timeout: Timeout) -> bytes:
+    def wait_steps(self, name: str, deadline: float, timeout: Timeout) -> Steps[bytes]:
         """Block until ``name`` exists (woken by the watch) and return its value; raise
         StoreTimeoutError at ``deadline``, also when etcd is unreachable until then."""
-        waiter = ThreadWaiter()
+        waiter = yield NEW_WAITER
         cache = self._cache
         cache.add_waiter(name, waiter)
         outage: EtcdConnectionError | None = None
         try:
             while True:
                 self._check_open()
-                remaining = deadline - self._clock.monotonic()
                 entry = cache.lookup_or_absent(name)
                 if entry is not None:
                     value = entry[0]
-                elif remaining <= 0 and outage is not None:
+                elif deadline - self._clock.monotonic() <= 0 and outage is not None:
                     value = None
                 else:
                     try:
-                        value = self.fetch([name], deadline).get(name)
+                        value = (yield Call(self.fetch, ([name], deadline))).get(name)
                         outage = None
                     except EtcdConnectionError as exc:
                         value, outage = None, exc
                 if value is not None:
                     return value
-                pause = self.pause(name, deadline, timeout, outage)
-                self._clock.wait(waiter.event, pause)
-                value = waiter.take()
+                value = yield Pause(waiter, self.pause(name, deadline, timeout, outage))
                 if value is not None:
                     return value
         finally:
             cache.remove_waiter(name, waiter)
 
+    def _waited(self, name: str, deadline: float, timeout: Timeout, default: Any
+                ) -> Steps[bytes | None]:
+        """:meth:`wait_steps`, with a timeout answered by ``default`` when there is one."""
+        try:
+            return (yield from self.wait_steps(name, deadline, timeout))
+        except StoreTimeoutError:
+            if default is MISSING:
+                raise
+            return None
+
     # -- get / mget / check past the hot path --------------------------------------------------
-    def get(self, op: str, name: object, default: Any, timeout: Timeout,
-            consistent: bool = False) -> Any:
-        """``get`` of a name the hot path could not serve: bytes names, misses, absent keys,
-        blocking; and every consistent (linearizable) ``get``."""
+    def get_steps(self, op: str, name: object, default: Any, timeout: Timeout,
+                  consistent: bool = False) -> Steps[Any]:
+        """``get``/``aget`` of a name the hot path could not serve: bytes names, misses,
+        absent keys, blocking; and every consistent (linearizable) one."""
         canonical = self._keys.canonical(name)
         wait = seconds(timeout)
         self._check_open()
         deadline = self.deadline(wait)
-        entry = self.consistent_entry(canonical, deadline) if consistent \
-            else self.cached(canonical, blocking=wait is not None)
+        if consistent:
+            entry = yield Call(self.consistent_entry, (canonical, deadline))
+        else:
+            entry = self.cached(canonical, blocking=wait is not None)
         (self._metrics.hit if entry is not None else self._metrics.miss)[op].inc()
         value = None
         if entry is not None:
@@ -429,67 +438,63 @@ class ReadThrough:
         elif deadline is None or consistent:
             # A consistent read whose scope the watch has not brought up to date reads
             # etcd before any wait: the wait's look at the cache would be coherent only.
-            value = self.fetch([canonical], deadline).get(canonical)
+            value = (yield Call(self.fetch, ([canonical], deadline))).get(canonical)
         while True:
             if value is None and deadline is not None:
-                try:
-                    value = self.wait_for(canonical, deadline, timeout)
-                except StoreTimeoutError:
-                    if default is MISSING:
-                        raise
+                value = yield from self._waited(canonical, deadline, timeout, default)
             if not counters.is_mark(value):
                 break
-            value = self.decimal(canonical, value)
+            value = yield Call(self.decimal, (canonical, value))
             if value is not None or deadline is None:
                 break
-            # The counter was deleted meanwhile: a blocking get waits for it again.
+            # The counter was deleted meanwhile: a blocking read waits for it again.
         return value if value is not None else absent(name, default)
 
-    def mget(self, op: str, names: list[Any], default: Any, timeout: Timeout,
-             first: list[Any], pending: list[int], consistent: bool = False) -> list[Any]:
-        """Finish an ``mget`` whose hot path served every name but those at ``pending``
-        (``first`` holds the served values; with ``consistent``, none: every name is
-        pending)."""
+    def mget_steps(self, op: str, names: list[Any], default: Any, timeout: Timeout,
+                   first: list[Any], pending: list[int], consistent: bool = False
+                   ) -> Steps[list[Any]]:
+        """Finish an ``mget``/``amget``/``wait`` whose hot path served every name but those
+        at ``pending`` (``first`` holds the served values; with ``consistent``, none: every
+        name is pending). One deadline for the whole call."""
         wait = seconds(timeout)
         self._check_open()
         canonical = {i: self._keys.canonical(names[i]) for i in pending}
         deadline = self.deadline(wait)
         # In the order given (not a set's, which follows str hashes): the same call makes
         # the same requests in every process (the simulation replays exactly).
-        values, hits = self.resolve(dict.fromkeys(canonical.values()), wait is not None, deadline,
-                                    consistent)
+        values, hits = yield Call(self.resolve, (dict.fromkeys(canonical.values()),
+                                                 wait is not None, deadline, consistent))
         self._metrics.hit[op].inc(len(names) - len(pending) + hits)
         self._metrics.miss[op].inc(len(pending) - hits)
-        for i in pending:
+        for i in pending:  # in order: the first absent name times out
             name = canonical[i]
             if values.get(name) is None and deadline is not None:
-                try:
-                    values[name] = self.wait_for(name, deadline, timeout)
-                except StoreTimeoutError:
-                    if default is MISSING:
-                        raise
+                values[name] = yield from self._waited(name, deadline, timeout, default)
         # A wait needs existence only: a counter's value is not read. A counter deleted
         # between the wait and the read of its value is waited for again (as by ``get``).
         while op != "wait" and any(counters.is_mark(v) for v in values.values()):
             marked = [name for name, v in values.items() if counters.is_mark(v)]
-            self.decimals(values)
+            yield Call(self.decimals, (values,))
             if deadline is None:
                 break
             for name in marked:
                 if values.get(name) is None:
-                    try:
-                        values[name] = self.wait_for(name, deadline, timeout)
-                    except StoreTimeoutError:
-                        if default is MISSING:
-                            raise
+                    values[name] = yield from self._waited(name, deadline, timeout, default)
         for i in pending:
             value = values.get(canonical[i])
-            if value is None:
-                if default is MISSING:
-                    raise KeyNotFoundError(names[i])
-                value = default
-            first[i] = value
+            first[i] = value if value is not None else absent(names[i], default)
         return first
+
+    def get(self, op: str, name: object, default: Any, timeout: Timeout,
+            consistent: bool = False) -> Any:
+        """:meth:`get_steps` on the calling thread."""
+        return drive(self.get_steps(op, name, default, timeout, consistent), self._clock)
+
+    def mget(self, op: str, names: list[Any], default: Any, timeout: Timeout,
+             first: list[Any], pending: list[int], consistent: bool = False) -> list[Any]:
+        """:meth:`mget_steps` on the calling thread."""
+        return drive(self.mget_steps(op, names, default, timeout, first, pending, consistent),
+                     self._clock)
 
     def check(self, names: Iterable[object], consistent: bool = False) -> bool:
         self._check_open()

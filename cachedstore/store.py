@@ -184,8 +184,7 @@ class EtcdStore:
         self._reads = ReadThrough(self._conn, self._keys, self._cache, cfg, self.metrics,
                                   clock, self._check_open, self._stale_allowed, self._opener)
         self._writes = Writer(self._conn, self._keys, self._cache, cfg, self._check_open)
-        self._aio = AsyncFront(self._reads, self._keys, self._cache, self.metrics, clock,
-                               self._check_open, f"cachedstore-aio-{self._id}")
+        self._aio = AsyncFront(self._reads, f"cachedstore-aio-{self._id}")
         # The hot path, bound once: a hit is one lock-free lookup and one counter
         # increment, ``next()`` of an itertools.count read at scrape time (no lock).
         self._lookup = self._cache.lookup

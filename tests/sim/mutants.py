@@ -168,24 +168,24 @@ def queue_replay() -> Iterator[None]:
 
 @contextlib.contextmanager
 def deleted_counter_aget() -> Iterator[None]:
-    """Issue 24, 5: a blocking aget of a counter deleted before its value was read returns
-    the default (the blocking get waits for the key again)."""
+    """Issue 24, 5: ``aget`` with a read logic of its own (as before ``steps.py`` made one
+    logic serve both fronts), drifted: a blocking aget of a counter deleted before its
+    value was read returns the default (the blocking get waits for the key again)."""
     async def get(self: Any, op: str, name: Any, default: Any, timeout: Any,
-                  deadline: float | None = None, consistent: bool = False) -> Any:
+                  consistent: bool = False) -> Any:
         from cachedstore.config import seconds
 
-        canonical = self._keys.canonical(name)
-        wait = seconds(timeout)
         reads = self._reads
-        if deadline is None:
-            deadline = reads.deadline(wait)
+        canonical = reads._keys.canonical(name)  # noqa: SLF001
+        wait = seconds(timeout)
+        deadline = reads.deadline(wait)
         entry = reads.cached(canonical, blocking=wait is not None)
         value = entry[0] if entry is not None else None
         if entry is None and deadline is None:
             value = (await self.run(reads.fetch, [canonical])).get(canonical)
         if value is None and deadline is not None:
             try:
-                value = await self._await_for(canonical, deadline, timeout)
+                value = await self.drive(reads.wait_steps(canonical, deadline, timeout))
             except StoreTimeoutError:
                 if default is MISSING:
                     raise
