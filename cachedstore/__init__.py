@@ -9,7 +9,7 @@ The whole public API is importable from here::
         store.get("master_addr")            # b"10.0.0.1:29500", from the cache
 """
 
-from .config import Backoff, StoreConfig
+from .config import Backoff, LivenessPolicy, StoreConfig
 from .errors import (
     AuthenticationError,
     CachedStoreError,
@@ -51,6 +51,7 @@ __all__ = [
     "QueueEmptyError",
     "Snapshot",
     "StoreClosedError",
+    "LivenessPolicy",
     "StoreConfig",
     "StoreForkedError",
     "StoreTimeoutError",

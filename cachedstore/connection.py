@@ -23,7 +23,7 @@ from etcd3 import etcdrpc
 
 from . import etcdapi
 from .clock import SYSTEM_CLOCK, Clock
-from .config import StoreConfig
+from .config import KEEPALIVE_TIME, KEEPALIVE_TIMEOUT, StoreConfig
 from .errors import (
     AuthenticationError,
     CachedStoreError,
@@ -246,8 +246,8 @@ class Connection:
         self._options = [
             ("grpc.max_receive_message_length", -1),
             ("grpc.max_send_message_length", -1),
-            ("grpc.keepalive_time_ms", int(config.keepalive_time * 1000)),
-            ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout * 1000)),
+            ("grpc.keepalive_time_ms", int(KEEPALIVE_TIME * 1000)),
+            ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT * 1000)),
             ("grpc.keepalive_permit_without_calls", 0),
             ("grpc.http2.max_pings_without_data", 0),
             # gRPC's default reconnect back-off grows to 120 s: a restarted etcd would stay

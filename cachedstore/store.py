@@ -25,7 +25,7 @@ from . import guarded, queues
 from .aio import AsyncFront
 from .cache import NOT_SERVING, CoherentCache
 from .clock import SYSTEM_CLOCK, Clock
-from .config import StoreConfig
+from .config import LATENCY_SAMPLE_EVERY, LivenessPolicy, StoreConfig
 from .connection import Connection, Credentials, parse_endpoint
 from .errors import (
     CachedStoreError,
@@ -106,14 +106,17 @@ class EtcdStore:
             default: a new private registry (``store.registry``). Pass
             ``prometheus_client.REGISTRY`` to use the global one.
         metrics: False to record no metrics at all.
-        request_timeout, connect_timeout, stall_timeout, progress_interval, ping_interval,
-        max_staleness, max_txn_ops, max_request_bytes, preload_limit, watch_scope, max_watches,
-        watch_transport, watch_pacing: see
+        request_timeout, connect_timeout, max_staleness, max_txn_ops, max_request_bytes,
+        preload_limit, watch_scope, max_watches, watch_transport: see
             :class:`~cachedstore.StoreConfig`. ``watch_scope="touched"`` makes the store
             watch only the directories (``"dir/"``) and names its reads touched: for jobs
             whose ranks each use a small part of a shared prefix (torch process groups).
         config: a complete :class:`~cachedstore.StoreConfig`; keywords override it.
         clock: where time comes from (:mod:`cachedstore.clock`); tests pass a FakeClock.
+        liveness: a :class:`~cachedstore.config.LivenessPolicy` (PINGs, progress requests,
+            stall timeout, pacing), e.g. ``LivenessPolicy.FAST``.
+        stall_timeout, progress_interval, ping_interval, watch_pacing: replace those
+            fields of ``liveness`` (the one given, else the config's).
     """
 
     def __init__(
@@ -147,6 +150,7 @@ class EtcdStore:
         watch_pacing: float | None = None,
         config: StoreConfig | None = None,
         clock: Clock = SYSTEM_CLOCK,
+        liveness: LivenessPolicy | None = None,
     ) -> None:
         self._closed = True  # until fully constructed: close() must work on a partial store
         self._fork_pid: int | None = None
@@ -159,7 +163,7 @@ class EtcdStore:
             max_staleness=max_staleness, max_txn_ops=max_txn_ops,
             max_request_bytes=max_request_bytes, preload_limit=preload_limit,
             watch_scope=watch_scope, max_watches=max_watches,
-            watch_transport=watch_transport, watch_pacing=watch_pacing)
+            watch_transport=watch_transport, watch_pacing=watch_pacing, liveness=liveness)
         self._config = cfg
         self._clock = clock
         self._keys = KeySpace(prefix, cfg.max_request_bytes)
@@ -190,9 +194,9 @@ class EtcdStore:
         self._lookup = self._cache.lookup
         self._hits_get = self.metrics.hit_tick("get")
         self._hits_aget = self.metrics.hit_tick("aget")
-        # Latency of get/aget is observed for one call in `latency_sample_every` (hit or
+        # Latency of get/aget is observed for one call in LATENCY_SAMPLE_EVERY (hit or
         # miss alike, so the histogram is an unbiased sample); counts stay exact.
-        self._sample_every = cfg.latency_sample_every
+        self._sample_every = LATENCY_SAMPLE_EVERY
         self._tick_get = self._tick_aget = 1
         self._observe_get = self.metrics.duration["get"].observe
         self._observe_aget = self.metrics.duration["aget"].observe

@@ -63,8 +63,9 @@ def proxy(etcd_factory: Callable[..., LocalEtcd]) -> Iterator[FaultProxy]:
 def test_stall_declared_exactly_past_the_bound_on_a_fake_clock(proxy: FaultProxy, prefix: str,
                                                                 ping_interval: float) -> None:
     clock = _CountingClock()
-    config = StoreConfig(stall_timeout=STALL_TIMEOUT, progress_interval=PROGRESS_INTERVAL,
-                         ping_interval=ping_interval)
+    config = StoreConfig().with_overrides(stall_timeout=STALL_TIMEOUT,
+                                          progress_interval=PROGRESS_INTERVAL,
+                                          ping_interval=ping_interval)
     assert StoreConfig().ping_interval == PING_INTERVAL
     conn = Connection([split(proxy.endpoint)], Credentials(), config, NullMetrics(), clock)
     keys = KeySpace(prefix, config.max_request_bytes)
