@@ -1,4 +1,4 @@
-"""gRPC channels to etcd: endpoints and failover, TLS, auth tokens, and error translation.
+"""gRPC channels to etcd: endpoints and failover, TLS, auth tokens; calls that retry.
 
 The store talks to etcd through :class:`Connection` only. It drives python3-etcd3's
 generated stubs (``etcd3.etcdrpc``) directly, not its client class: that class marks an
@@ -6,7 +6,8 @@ endpoint as failed after one timeout and then refuses it (``ValueError("Trying t
 failed node")``) for minutes, and never refreshes an expired auth token. Here every call
 has a deadline, retries on the next endpoint with jittered back-off while the deadline
 allows, re-authenticates once when etcd says the token is invalid, and raises only
-cachedstore errors.
+cachedstore errors. What to do after a failure, and which error a gRPC failure is, are
+decided by :mod:`cachedstore.retry` (the policy value, and the error table).
 """
 
 from __future__ import annotations
@@ -24,29 +25,18 @@ from etcd3 import etcdrpc
 from . import etcdapi
 from .clock import SYSTEM_CLOCK, Clock
 from .config import KEEPALIVE_TIME, KEEPALIVE_TIMEOUT, StoreConfig
-from .errors import (
-    AuthenticationError,
-    CachedStoreError,
-    ClusterMismatchError,
-    EtcdConnectionError,
-    EtcdError,
-    EtcdPermissionError,
-    InvalidInputError,
-    LeaseNotFoundError,
-    StoreClosedError,
-    TLSError,
-)
+from .errors import ClusterMismatchError, EtcdError, InvalidInputError, StoreClosedError
 from .etcdapi import TRANSPORT_FAILURES, Failure
 from .metrics import NullMetrics, StoreMetrics
+from .retry import IDEMPOTENT, UNSENT_ONLY, Action, Retry, translate_rpc_error
 from .wire import WireError, WireStub
 
 log = logging.getLogger("cachedstore.connection")
 
-__all__ = ["Connection", "Credentials", "parse_endpoint", "translate_rpc_error"]
-
-#: Retry modes of :meth:`Connection.call`.
-IDEMPOTENT = "idempotent"  # safe to send again after any transport failure
-UNSENT_ONLY = "unsent-only"  # retried only when the request cannot have reached etcd
+# IDEMPOTENT and UNSENT_ONLY, the retry modes of Connection.call, and translate_rpc_error
+# live with the retry policy (.retry); imported from here by the layers above.
+__all__ = ["IDEMPOTENT", "UNSENT_ONLY", "Connection", "Credentials", "parse_endpoint",
+           "translate_rpc_error"]
 
 #: Tests only (``tests/sim``): endpoint target -> factory of an in-process transport used
 #: instead of a gRPC channel (see :func:`_simulated`). Empty in production.
@@ -135,52 +125,6 @@ class Credentials:
     def __repr__(self) -> str:
         return (f"Credentials(tls={self.secure}, client_cert={self.cert_cert is not None}, "
                 f"user={self.user!r}, password={'***' if self._password else None})")
-
-
-def _transient(error: CachedStoreError) -> CachedStoreError:
-    """``error`` as a plain EtcdConnectionError if it is a TLSError: for a failure met
-    before every endpoint refused the handshake, which may be one member's (TLSError says
-    "waiting will not fix it")."""
-    return EtcdConnectionError(str(error)) if isinstance(error, TLSError) else error
-
-
-def translate_rpc_error(exc: grpc.RpcError, method: str) -> CachedStoreError:
-    """A cachedstore error for a gRPC error from etcd (the caller chains ``exc``); what
-    the error means comes from :func:`etcdapi.classify`'s table."""
-    failure, code, details = etcdapi.classify_rpc_error(exc)
-    where = f"etcd {method}"
-    name = code.name if code is not None else type(exc).__name__
-    if failure is Failure.TLS_HOSTNAME:
-        return TLSError(f"{where}: TLS handshake with etcd failed: the server's "
-                        f"certificate is not valid for the host name or address the "
-                        f"store connected to (hostname mismatch: {details}); use a name "
-                        f"listed in the certificate's subject alternative names")
-    if failure is Failure.TLS:
-        return TLSError(f"{where}: TLS handshake with etcd failed ({details}); check "
-                        f"ca_cert and the server's certificate")
-    if failure is Failure.HANDSHAKE_CUT:  # too slow a link, or no TLS on the server
-        return EtcdConnectionError(
-            f"{where}: etcd unreachable: the TLS handshake did not complete "
-            f"({name}: {details}); is the server serving TLS on this port?")
-    if failure in (Failure.UNSENT, Failure.TRANSPORT, Failure.NO_LEADER):
-        return EtcdConnectionError(f"{where}: etcd unreachable ({name}: {details})")
-    if failure is Failure.PERMISSION:
-        return EtcdPermissionError(f"{where}: {details}")
-    if failure is Failure.AUTH_FAILED:
-        return AuthenticationError(f"{where}: {details}")
-    if failure is Failure.AUTH_NOT_ENABLED:
-        return AuthenticationError(f"{where}: credentials given but {details}")
-    if failure is Failure.TOKEN:
-        return AuthenticationError(f"{where}: {details} (are user and password set?)")
-    if failure is Failure.TOO_LARGE:
-        return InvalidInputError(f"{where}: {details}")
-    if failure is Failure.LEASE_NOT_FOUND:
-        return LeaseNotFoundError(f"{where}: {details}")
-    if failure is Failure.CANCELLED:
-        # Only close() ends a store (call() checks that first): a CANCELLED status from
-        # the server or a proxy (RST_STREAM) is a transport failure like any other.
-        return EtcdConnectionError(f"{where}: cancelled by etcd or a proxy ({details})")
-    return EtcdError(f"{where}: {name}: {details}")
 
 
 class _Endpoint:
@@ -469,105 +413,90 @@ class Connection:
         ``IDEMPOTENT`` calls, and for ``UNSENT_ONLY`` calls only while the failure shows the
         request never reached etcd. Raises EtcdConnectionError (outcome unknown for
         UNSENT_ONLY calls that may have been sent), EtcdPermissionError, InvalidInputError...
+        Each rule is the policy's, :class:`~cachedstore.retry.Retry`: this loop asks it
+        before each attempt and after each failure, and does what it decides.
         """
-        backoff = self._config.backoff
-        attempt = 0
-        reauthenticated = False
-        tls_failures = 0
-        n_endpoints = len(self._endpoints)
-        mismatch: ClusterMismatchError | None = None
-        retried: grpc.RpcError | None = None  # the transport failure last retried after
+        policy = Retry(method, deadline, retry, len(self._endpoints), self._config.backoff,
+                       reauthenticate=authenticated and self.has_credentials)
         while True:
             index, ep = self.endpoint()
             if ep.foreign is not None:  # every endpoint left is another cluster's
-                raise mismatch or ClusterMismatchError(
-                    f"etcd {method}: every reachable endpoint is a member of another "
-                    f"cluster than the store's ({', '.join(self.foreign_endpoints)})")
-            remaining = deadline - self._clock.monotonic()
-            if remaining <= 0:
-                # Out of time after a retried failure: that failure is the cause to report
-                # (a refused connection says "unreachable", not merely "no answer").
-                if retried is None:
-                    raise _with_mismatch(EtcdConnectionError(
-                        f"etcd {method}: no answer from {', '.join(self.targets)} within "
-                        f"the request timeout"), mismatch, self.foreign_endpoints)
-                raise _with_mismatch(_transient(translate_rpc_error(retried, method)),
-                                     mismatch, self.foreign_endpoints) from retried
-            # With several endpoints, one black-holed member must not eat the whole budget.
-            per_attempt = remaining if n_endpoints == 1 else max(
-                min(remaining, 1.0), remaining / 2)
+                policy.raise_all_foreign(self.foreign_endpoints)
+            now = self._clock.monotonic()
+            if policy.is_exhausted(now):
+                policy.raise_exhausted(self.targets, self.foreign_endpoints)
             token = self._token if authenticated else None
-            metadata = _metadata(token)
+            timeout, metadata = policy.attempt_timeout(now), _metadata(token)
             started = time.perf_counter()
             try:
                 if not ep.checked and method not in _READS:
-                    # Never send a write to a member before it is known to be ours (a read
-                    # is checked by its answer's header, below, and discarded if foreign).
-                    status = self._status(ep, per_attempt, metadata, started)
-                    try:
-                        self.check_cluster(index, status.header)
-                    except ClusterMismatchError as exc:
-                        mismatch = exc
-                        continue
-                    if method == "status":
-                        return status
-                    started = time.perf_counter()
-                if (method == "txn" and per_attempt < _SHORT * self._config.request_timeout
-                        and _read_only(request)):
-                    response = self._txn_not_cancelled(ep, request, per_attempt, metadata)
-                else:
-                    response = _rpc(ep, method)(request, timeout=per_attempt,
-                                                metadata=metadata)
+                    started = self._check_before_write(index, ep, timeout, metadata, started)
+                response = self._send(ep, method, request, timeout, metadata)
+            except ClusterMismatchError as exc:  # met before the request was sent
+                policy = policy.skip_foreign(exc, applied=False)
+                continue
             except grpc.RpcError as exc:
                 failure = self._count_failure(method, exc, started)
-                if self._closed:
-                    raise StoreClosedError("the store is closed") from None
-                if (authenticated and self.has_credentials and not reauthenticated
-                        and failure is Failure.TOKEN):
-                    reauthenticated = True
-                    self.authenticate(deadline, stale_token=token)
-                    continue
-                if failure in TRANSPORT_FAILURES:  # the next endpoint, as deadline and mode allow
-                    unsent = failure is Failure.UNSENT
+                self._raise_if_closed()
+                if failure in TRANSPORT_FAILURES:  # the next call starts elsewhere, too
                     self.failover(index)
-                    if failure in (Failure.TLS, Failure.TLS_HOSTNAME):
-                        # A certificate does not fix itself: give up once every endpoint
-                        # has refused the handshake, instead of retrying until the deadline.
-                        tls_failures += 1
-                        if tls_failures >= n_endpoints:
-                            raise translate_rpc_error(exc, method) from exc
-                    if retry == IDEMPOTENT or unsent:
-                        delay = backoff.delay(attempt)
-                        attempt += 1
-                        if self._clock.monotonic() + delay < deadline:
-                            self._clock.sleep(delay)
-                            retried = exc
-                            continue
-                    # Out of time before every endpoint refused the handshake: not (yet)
-                    # a certificate problem.
-                    error = _transient(translate_rpc_error(exc, method))
-                    if retry != IDEMPOTENT and not unsent and not isinstance(error, TLSError):
-                        error = EtcdConnectionError(
-                            f"{error}; the request may or may not have been applied")
-                    raise _with_mismatch(error, mismatch, self.foreign_endpoints) from exc
-                raise translate_rpc_error(exc, method) from exc
+                policy = policy.increment(exc, failure, self._clock.monotonic(),
+                                          self.foreign_endpoints)  # or raises: give up
+                if policy.action is Action.REAUTHENTICATE:
+                    self.authenticate(deadline, stale_token=token)
+                elif policy.action is Action.FAIL_OVER:
+                    self._clock.sleep(policy.delay)
+                continue
             except ValueError as exc:  # grpc raises it for a channel closed under us
-                if self._closed:
-                    raise StoreClosedError("the store is closed") from None
+                self._raise_if_closed()
                 raise EtcdError(f"etcd {method}: {exc}") from exc
             self._metrics.rpc(method, "ok", time.perf_counter() - started)
-            if not ep.checked or response.header.cluster_id != self._cluster_id:
-                # A read's answer checks an unchecked member; and the member behind a
-                # checked endpoint may have been replaced by another cluster's (same
-                # address, new data). Either way a foreign answer is not used.
-                try:
-                    self.check_cluster(index, response.header)
-                except ClusterMismatchError as exc:
-                    if method not in _READS:
-                        raise
-                    mismatch = exc  # a read: ask the next member
-                    continue
-            return response
+            mismatch = self._foreign_answer(index, ep, response)
+            if mismatch is None:
+                return response
+            policy = policy.skip_foreign(mismatch, applied=method not in _READS)
+
+    def _check_before_write(self, index: int, ep: _Endpoint, timeout: float,
+                            metadata: tuple[tuple[str, str], ...], started: float) -> float:
+        """Never send a write to a member before it is known to be ours: one ``Status``
+        call on endpoint ``index`` (begun at perf-counter time ``started``), whose header
+        :meth:`check_cluster` checks. (A read is checked by its answer's header instead,
+        and discarded if foreign.) Returns the perf-counter time it ended, from which the
+        write is timed. Raises grpc.RpcError (uncounted), ClusterMismatchError."""
+        status = self._status(ep, timeout, metadata, started)
+        self.check_cluster(index, status.header)
+        return time.perf_counter()
+
+    def _send(self, ep: _Endpoint, method: str, request: Any, timeout: float,
+              metadata: tuple[tuple[str, str], ...]) -> Any:
+        """One RPC of :meth:`call` on ``ep``; a read-only Txn given clearly less than
+        ``request_timeout`` is left to finish when late (:meth:`_txn_not_cancelled`).
+        Raises grpc.RpcError, or ValueError for a closed channel."""
+        if (method == "txn" and timeout < _SHORT * self._config.request_timeout
+                and _read_only(request)):
+            return self._txn_not_cancelled(ep, request, timeout, metadata)
+        return _rpc(ep, method)(request, timeout=timeout, metadata=metadata)
+
+    def _foreign_answer(self, index: int, ep: _Endpoint, response: Any
+                        ) -> ClusterMismatchError | None:
+        """None if ``response`` (from endpoint ``index``) may be used, else the
+        ClusterMismatchError of :meth:`check_cluster`, which has marked the member and
+        failed over. A read's answer checks an unchecked member; and the member behind a
+        checked endpoint may have been replaced by another cluster's (same address, new
+        data). Either way a foreign answer is not used."""
+        if ep.checked and response.header.cluster_id == self._cluster_id:
+            return None
+        try:
+            self.check_cluster(index, response.header)
+        except ClusterMismatchError as exc:
+            return exc
+        return None
+
+    def _raise_if_closed(self) -> None:
+        """Raise StoreClosedError (context suppressed) if :meth:`close` was called: a call
+        failing because of it fails so, whatever else it met."""
+        if self._closed:
+            raise StoreClosedError("the store is closed") from None
 
     def close(self) -> None:
         """Close every channel; calls in flight fail with StoreClosedError. Idempotent.
@@ -593,18 +522,6 @@ class Connection:
     @property
     def closed(self) -> bool:
         return self._closed
-
-
-def _with_mismatch(error: CachedStoreError, mismatch: ClusterMismatchError | None,
-                   foreign: list[str]) -> CachedStoreError:
-    """``error``, as a ClusterMismatchError naming the refused members when the call met a
-    member of another cluster or some endpoints are known to be other clusters' (which is
-    why they were not tried)."""
-    if not isinstance(error, EtcdConnectionError) or (mismatch is None and not foreign):
-        return error
-    verb = "is a member" if len(foreign) == 1 else "are members"
-    why = mismatch or f"{', '.join(foreign)} {verb} of another cluster and not used"
-    return ClusterMismatchError(f"{error}; and {why}")
 
 
 _METHODS: dict[str, tuple[str, str]] = {

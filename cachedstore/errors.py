@@ -6,6 +6,7 @@ caller would naturally catch, so both ``except cachedstore.CachedStoreError`` an
 
     CachedStoreError
     ├── KeyNotFoundError          (KeyError)          get() of an absent key, no default
+    │   └── QueueEmptyError                           a non-blocking pop of an empty queue
     ├── StoreTimeoutError         (TimeoutError)      a blocking get()/wait() ran out of time
     ├── EtcdConnectionError       (ConnectionError)   etcd unreachable, or the outcome unknown
     │   ├── TLSError                                  the TLS handshake with etcd failed
@@ -38,6 +39,7 @@ __all__ = [
     "KeyNotFoundError",
     "LeaseNotFoundError",
     "NotAnIntegerError",
+    "QueueEmptyError",
     "StoreClosedError",
     "StoreForkedError",
     "StoreTimeoutError",
@@ -58,6 +60,14 @@ class KeyNotFoundError(CachedStoreError, KeyError):
 
     def __str__(self) -> str:  # KeyError's str() would print only repr(name)
         return f"key not found: {self.name!r}"
+
+
+class QueueEmptyError(KeyNotFoundError):
+    """A non-blocking ``queue_pop`` found the queue empty (a KeyError); ``name`` is the
+    queue's."""
+
+    def __str__(self) -> str:
+        return f"queue is empty: {self.name!r}"
 
 
 class StoreTimeoutError(CachedStoreError, TimeoutError):
