@@ -40,7 +40,7 @@ _Results = dict[str, tuple[bytes | None, int]]
 _ReadChunk = Callable[[Sequence[str]], tuple[_Results, int]]
 #: The longest single wait on an event: longer waits loop (Event.wait overflows past ~2^63 ns).
 MAX_WAIT = 3600.0
-#: The least time an etcd round trip of a blocking read is given (see ``_call_deadline``):
+#: The least time an etcd round trip of a blocking read is given (see ``call_deadline``):
 #: how much a wait that meets an outage can overrun its timeout, at most.
 MIN_ROUND_TRIP = 0.25
 #: While etcd is unreachable, a waiter re-checks at most this often (it is also nudged the
@@ -132,7 +132,7 @@ class ReadThrough:
         """The deadline of a wait of ``wait`` seconds (None: not blocking)."""
         return None if wait is None else self._clock.monotonic() + wait
 
-    def _call_deadline(self, deadline: float | None) -> float:
+    def call_deadline(self, deadline: float | None) -> float:
         """An etcd round trip's deadline: the request timeout, cut to the wait's deadline
         but never below :data:`MIN_ROUND_TRIP` from now, so that a wait of 0 s (or one
         whose deadline has just passed) can still read a key that exists but is not
@@ -172,7 +172,7 @@ class ReadThrough:
         when etcd cannot be reached."""
         cache = self._cache
         wanted = list(dict.fromkeys(names))
-        call_deadline = self._call_deadline(deadline)
+        call_deadline = self.call_deadline(deadline)
         revision = self.revisions.current(call_deadline)
         if self.before_catch_up is not None:
             self.before_catch_up(revision)
@@ -243,7 +243,7 @@ class ReadThrough:
         out: dict[str, bytes | None] = {}
         cache = self._cache
         if cache.scoped:  # a scope opened here answers its names: no read of them
-            for name in self._opener.ensure(names, lambda: self._call_deadline(deadline)):
+            for name in self._opener.ensure(names, lambda: self.call_deadline(deadline)):
                 entry = cache.peek(name)
                 if entry is not None:  # (a tiny cache may have evicted it already)
                     out[name] = entry[0]
@@ -251,7 +251,7 @@ class ReadThrough:
                 names = [name for name in names if name not in out]
         for chunk, results, revision, dropped in self._filled(
                 names, self._config.max_txn_ops,
-                lambda chunk: self._read(chunk, self._call_deadline(deadline))):
+                lambda chunk: self._read(chunk, self.call_deadline(deadline))):
             for name in chunk:
                 value = results.get(name, (None, 0))[0]
                 if dropped:
@@ -291,7 +291,7 @@ class ReadThrough:
             ops = [op for name in chunk
                    for op in counters.read_ops(counters.Parts(self._keys, name))]
             response = self._conn.call("txn", etcdapi.txn(success=ops),
-                                       deadline=self._call_deadline(None))
+                                       deadline=self.call_deadline(None))
             seen: _Results = {}
             for i, name in enumerate(chunk):
                 answers = response.responses[3 * i:3 * i + 3]

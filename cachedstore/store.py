@@ -21,7 +21,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from . import guarded, queues
+from . import guarded
 from .aio import AsyncFront
 from .cache import NOT_SERVING, CoherentCache
 from .clock import SYSTEM_CLOCK, Clock
@@ -39,6 +39,7 @@ from .guarded import Snapshot
 from .keys import KeySpace
 from .metrics import make_metrics
 from .opener import ScopeOpener
+from .queues import Queues
 from .reads import MISSING, ReadThrough, Timeout, names_list
 from .scoping import locate
 from .watcher import Watcher, snapshot
@@ -111,12 +112,12 @@ class EtcdStore:
             :class:`~cachedstore.StoreConfig`. ``watch_scope="touched"`` makes the store
             watch only the directories (``"dir/"``) and names its reads touched: for jobs
             whose ranks each use a small part of a shared prefix (torch process groups).
-        config: a complete :class:`~cachedstore.StoreConfig`; keywords override it.
-        clock: where time comes from (:mod:`cachedstore.clock`); tests pass a FakeClock.
         liveness: a :class:`~cachedstore.config.LivenessPolicy` (PINGs, progress requests,
             stall timeout, pacing), e.g. ``LivenessPolicy.FAST``.
         stall_timeout, progress_interval, ping_interval, watch_pacing: replace those
             fields of ``liveness`` (the one given, else the config's).
+        config: a complete :class:`~cachedstore.StoreConfig`; keywords override it.
+        clock: where time comes from (:mod:`cachedstore.clock`); tests pass a FakeClock.
     """
 
     def __init__(
@@ -148,9 +149,9 @@ class EtcdStore:
         max_watches: int | None = None,
         watch_transport: str | None = None,
         watch_pacing: float | None = None,
+        liveness: LivenessPolicy | None = None,
         config: StoreConfig | None = None,
         clock: Clock = SYSTEM_CLOCK,
-        liveness: LivenessPolicy | None = None,
     ) -> None:
         self._closed = True  # until fully constructed: close() must work on a partial store
         self._fork_pid: int | None = None
@@ -189,6 +190,10 @@ class EtcdStore:
                                   clock, self._check_open, self._stale_allowed, self._opener)
         self._writes = Writer(self._conn, self._keys, self._cache, cfg, self._check_open)
         self._aio = AsyncFront(self._reads, f"cachedstore-aio-{self._id}")
+        #: FIFO queues (torch Store semantics): ``store.queues.push/pop/length``.
+        self.queues = Queues(self._conn, self._keys, self._cache, self._opener, cfg.timeout,
+                             self._check_open, lambda: self.watch_healthy,
+                             self._reads.call_deadline, clock)
         # The hot path, bound once: a hit is one lock-free lookup and one counter
         # increment, ``next()`` of an itertools.count read at scrape time (no lock).
         self._lookup = self._cache.lookup
@@ -672,34 +677,17 @@ class EtcdStore:
         ``lease`` is an int from 1 to 2**63 - 1. Thread-safe."""
         self._writes.revoke_lease(lease)
 
-    # -- queues and key listing (cachedstore.queues) ------------------------------------
-    def queue_push(self, name: Name, value: Value) -> None:
-        """Append ``value`` to the FIFO queue ``name`` (one Txn). Queues are a namespace of
-        their own: queue ``k`` and key ``k`` are unrelated. Blocks for the round trip.
-        Thread-safe; atomic across processes."""
-        queues.push(self, name, value)
-
-    def queue_pop(self, name: Name, block: bool = True, timeout: Timeout = None) -> bytes:
-        """Remove and return the oldest item of queue ``name``; each item is popped exactly
-        once across all processes. ``block=True`` waits on the store's watch (no polling)
-        up to ``timeout`` (default: the store's ``timeout``), then StoreTimeoutError;
-        ``block=False`` raises QueueEmptyError (a KeyError) at once. Thread-safe."""
-        return queues.pop(self, name, block, timeout, clock=self._clock)
-
-    def queue_len(self, name: Name) -> int:
-        """How many items queue ``name`` holds (one count-only range). Thread-safe."""
-        return queues.length(self, name)
-
+    # -- key listing (cachedstore.queues: it knows which keys are queue items) ----------
     def list_keys(self) -> list[str]:
         """Every name under the prefix, queue items left out, in etcd's key order
         (linearizable). Thread-safe."""
-        return queues.list_keys(self)
+        return self.queues.list_keys()
 
     def num_keys(self) -> int:
         """How many keys exist under the prefix, queue items not counted, consistent with
         :meth:`list_keys` (one Txn of count-only ranges). Thread-safe."""
         with self._timed("num_keys"):
-            return queues.num_keys(self)
+            return self.queues.num_keys()
 
     # -- lifecycle -----------------------------------------------------------------------
     def _check_open(self) -> None:

@@ -29,30 +29,30 @@ def _another(etcd, prefix) -> EtcdStore:
 
 
 def test_fifo_length_and_the_store_methods(store):
-    assert store.queue_len("q") == 0
+    assert store.queues.length("q") == 0
     for v in ("1", b"2", "3"):
-        store.queue_push("q", v)
-    assert store.queue_len("q") == 3
-    assert [store.queue_pop("q") for _ in range(3)] == [b"1", b"2", b"3"]
-    assert store.queue_len("q") == 0
+        store.queues.push("q", v)
+    assert store.queues.length("q") == 3
+    assert [store.queues.pop("q") for _ in range(3)] == [b"1", b"2", b"3"]
+    assert store.queues.length("q") == 0
     with pytest.raises(queues.QueueEmptyError, match="queue is empty") as info:
-        store.queue_pop("q", block=False)
+        store.queues.pop("q", block=False)
     assert isinstance(info.value, KeyError)
-    store.queue_push("q", "x")
-    assert store.queue_pop("q", block=False) == b"x"
+    store.queues.push("q", "x")
+    assert store.queues.pop("q", block=False) == b"x"
 
 
 def test_queues_and_keys_are_separate_namespaces(store, etcd, prefix):
     store.set("a", "key")
     store.set("z", "key")
-    store.queue_push("a", "item")
-    store.queue_push("a/b", "nested")  # a queue whose name extends another's
+    store.queues.push("a", "item")
+    store.queues.push("a/b", "nested")  # a queue whose name extends another's
     assert store.get("a") == b"key"
     assert store.num_keys() >= 2  # EtcdStore.num_keys: the lead's (counts every key)
-    assert queues.num_keys(store) == 2  # torch's count: keys only, like HashStore
+    assert store.queues.num_keys() == 2  # torch's count: keys only, like HashStore
     assert store.list_keys() == ["a", "z"]
-    assert store.queue_len("a") == 1 and store.queue_len("a/b") == 1
-    assert store.queue_pop("a") == b"item" and store.queue_len("a/b") == 1
+    assert store.queues.length("a") == 1 and store.queues.length("a/b") == 1
+    assert store.queues.pop("a") == b"item" and store.queues.length("a/b") == 1
     # The items' etcd keys: under the prefix, behind a NUL, the name percent-encoded.
     keys = [m.key for _, m in raw_client(etcd).get_prefix(prefix)]
     item = [k for k in keys if k.startswith(prefix.encode() + b"\x00queue/")]
@@ -64,15 +64,15 @@ def test_names_in_the_queue_directory_are_refused_and_lose_nothing(store):
     (torch's check and wait would see a queue that nobody pushed to)."""
     from cachedstore import InvalidInputError
 
-    store.queue_push("q", "item")
+    store.queues.push("q", "item")
     with pytest.raises(InvalidInputError, match="reserved for queue items"):
         store.set("\x00queue/q/0000000000000000", "forged")
     with pytest.raises(InvalidInputError, match="reserved for queue items"):
         store.set(b"\x00queue/other/1", "forged")
     store.set("\x00elsewhere", "a NUL alone is an ordinary name")
     assert store.get("\x00elsewhere") == b"a NUL alone is an ordinary name"
-    assert store.queue_len("q") == 1 and store.queue_pop("q") == b"item"
-    assert store.queue_len("other") == 0
+    assert store.queues.length("q") == 1 and store.queues.pop("q") == b"item"
+    assert store.queues.length("other") == 0
 
 
 def test_list_keys_pages_and_names_under_a_scope(store, monkeypatch):
@@ -80,16 +80,16 @@ def test_list_keys_pages_and_names_under_a_scope(store, monkeypatch):
     names = [f"k{i}" for i in range(5)] + ["s/x", "s/y"]
     for n in names:
         store.set(n, "v")
-    store.queue_push("s/q", "item")
-    assert queues.list_keys(store) == sorted(names)
-    assert queues.list_keys(store, under="s/") == ["x", "y"]
-    assert queues.num_keys(store, under="s/") == 2
+    store.queues.push("s/q", "item")
+    assert store.queues.list_keys() == sorted(names)
+    assert store.queues.list_keys(under="s/") == ["x", "y"]
+    assert store.queues.num_keys(under="s/") == 2
 
 
 def test_a_blocked_pop_is_woken_by_the_watch_not_by_polling(store, etcd, prefix):
     clock = FakeClock()  # never advanced: only the watch event can end this wait
     got: list[bytes] = []
-    popper = threading.Thread(target=lambda: got.append(queues.pop(store, "q", True, 60,
+    popper = threading.Thread(target=lambda: got.append(store.queues.pop("q", True, 60,
                                                                     clock=clock)),
                               name="test-blocked-pop")
     popper.start()
@@ -97,7 +97,7 @@ def test_a_blocked_pop_is_woken_by_the_watch_not_by_polling(store, etcd, prefix)
     ranges, txns = rpc_count(store.registry, "range"), rpc_count(store.registry, "txn")
     other = _another(etcd, prefix)
     try:
-        other.queue_push("q", "hello")
+        other.queues.push("q", "hello")
         popper.join(10)
         assert got == [b"hello"]
         # Woken once: one range for the new item, one guarded delete. No poll.
@@ -114,7 +114,7 @@ def test_pop_times_out_on_the_clock_and_close_releases_a_popper(store):
 
     def pop() -> None:
         try:
-            queues.pop(store, "empty", True, 5, clock=clock)
+            store.queues.pop("empty", True, 5, clock=clock)
         except BaseException as exc:  # noqa: BLE001 -- handed to the test thread
             errors.append(exc)
 
@@ -135,20 +135,20 @@ def test_pop_times_out_on_the_clock_and_close_releases_a_popper(store):
 def test_a_lost_race_costs_one_txn_that_already_names_the_next_item(store, etcd, prefix):
     rival = _another(etcd, prefix)
     try:
-        store.queue_push("q", "first")
-        store.queue_push("q", "second")
+        store.queues.push("q", "first")
+        store.queues.push("q", "second")
         real_call = store._conn.call
         raced = []
 
         def call(method, request, **kwargs):
             response = real_call(method, request, **kwargs)
             if method == "range" and not raced:  # A has read the head; B takes it now
-                raced.append(rival.queue_pop("q"))
+                raced.append(rival.queues.pop("q"))
             return response
 
         store._conn.call = call
         ranges, txns = rpc_count(store.registry, "range"), rpc_count(store.registry, "txn")
-        assert queues.pop(store, "q", block=False) == b"second"
+        assert store.queues.pop("q", block=False) == b"second"
         assert raced == [b"first"]
         assert rpc_count(store.registry, "range") - ranges == 1  # no re-read after losing
         assert rpc_count(store.registry, "txn") - txns == 2  # the lost delete, the won one
@@ -161,7 +161,7 @@ def test_one_push_wakes_one_popper_per_store(store, etcd, prefix):
     lock = threading.Lock()
 
     def pop() -> None:
-        value = store.queue_pop("q", timeout=60)
+        value = store.queues.pop("q", timeout=60)
         with lock:
             results.append(value)
 
@@ -172,14 +172,14 @@ def test_one_push_wakes_one_popper_per_store(store, etcd, prefix):
     pusher = _another(etcd, prefix)
     try:
         ranges, txns = rpc_count(store.registry, "range"), rpc_count(store.registry, "txn")
-        pusher.queue_push("q", "only")
+        pusher.queues.push("q", "only")
         eventually(lambda: len(results) == 1, what="one pop")
         # The woken popper's range and delete; the next in line looks once (a range) and
         # parks. Without the in-process gate all four would range and try the delete.
         assert rpc_count(store.registry, "txn") - txns == 1
         assert rpc_count(store.registry, "range") - ranges <= 2
         for i in range(3):
-            pusher.queue_push("q", f"more{i}")
+            pusher.queues.push("q", f"more{i}")
         for t in threads:
             t.join(30)
         assert sorted(results) == [b"more0", b"more1", b"more2", b"only"]
@@ -195,7 +195,7 @@ _POPPER = textwrap.dedent("""
     with EtcdStore(endpoints=[endpoint], prefix=prefix) as store:
         print("READY", flush=True)
         while True:
-            value = store.queue_pop("jobs", timeout=60).decode()
+            value = store.queues.pop("jobs", timeout=60).decode()
             if value == "STOP":
                 break
             got.append(int(value))
@@ -211,9 +211,9 @@ def test_every_item_is_popped_exactly_once_by_concurrent_processes(store, etcd, 
             assert p.stdout is not None and p.stdout.readline().strip() == "READY"
         n = 60
         for i in range(n):
-            store.queue_push("jobs", str(i))
+            store.queues.push("jobs", str(i))
         for _ in procs:
-            store.queue_push("jobs", "STOP")
+            store.queues.push("jobs", "STOP")
         popped = []
         for p in procs:
             out, _ = p.communicate(timeout=60)
@@ -221,7 +221,7 @@ def test_every_item_is_popped_exactly_once_by_concurrent_processes(store, etcd, 
             assert mine == sorted(mine)  # each popper sees FIFO order
             popped.extend(mine)
         assert sorted(popped) == list(range(n))  # each item exactly once
-        assert store.queue_len("jobs") == 0
+        assert store.queues.length("jobs") == 0
     finally:
         for p in procs:
             if p.poll() is None:
@@ -231,19 +231,19 @@ def test_every_item_is_popped_exactly_once_by_concurrent_processes(store, etcd, 
 
 def test_emptiness_is_remembered_until_an_item_is_put(store, etcd, prefix):
     txns = rpc_count(store.registry, "txn")
-    assert not queues.is_nonempty(store, "q")
+    assert not store.queues.is_nonempty("q")
     assert rpc_count(store.registry, "txn") - txns == 1  # both counts in one Txn
     # The knowledge is a waiter nobody blocks on: the watch may go on pacing (torch's
     # check/wait of a missing key lands here, and that knowledge stays for good).
     assert store._cache.n_waiters == 2 and not store._cache.awaited()
-    assert not queues.is_nonempty(store, "q") and not queues.is_nonempty(store, "other")
+    assert not store.queues.is_nonempty("q") and not store.queues.is_nonempty("other")
     assert rpc_count(store.registry, "txn") - txns == 1  # remembered: no request
     other = _another(etcd, prefix)
     try:
-        other.queue_push("q", "x")  # seen through this store's watch
-        eventually(lambda: queues.is_nonempty(store, "q"), what="push seen")
-        assert not queues.is_nonempty(store, "other")  # that queue is still empty
-        store.queue_pop("q")
-        assert not queues.is_nonempty(store, "q")
+        other.queues.push("q", "x")  # seen through this store's watch
+        eventually(lambda: store.queues.is_nonempty("q"), what="push seen")
+        assert not store.queues.is_nonempty("other")  # that queue is still empty
+        store.queues.pop("q")
+        assert not store.queues.is_nonempty("q")
     finally:
         other.close()

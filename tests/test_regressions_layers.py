@@ -144,7 +144,7 @@ def test_queue_emptiness_is_not_trusted_while_the_watch_replays(etcd: LocalEtcd,
     with _store(etcd, prefix) as store:
         watcher = store._watcher
         assert watcher is not None
-        assert not queues.is_nonempty(store, "q")  # counted, and remembered
+        assert not store.queues.is_nonempty("q")  # counted, and remembered
         held_down, release_stream = threading.Event(), threading.Event()
         original_stream_once = watcher._stream_once
 
@@ -175,13 +175,13 @@ def test_queue_emptiness_is_not_trusted_while_the_watch_replays(etcd: LocalEtcd,
             assert replay_held.wait(10)
             assert store.watch_healthy and store._cache.floor >= written
             assert store.get("k") == b"after-the-push"
-            assert queues.is_nonempty(store, "q")  # torch's check and wait ask this
+            assert store.queues.is_nonempty("q")  # torch's check and wait ask this
         finally:
             release_stream.set()
             release_replay.set()
             store._cache.apply_events = original_apply  # type: ignore[method-assign]
         eventually(lambda: store._cache.floor == 0, what="the replay applied")
-        assert queues.is_nonempty(store, "q")
+        assert store.queues.is_nonempty("q")
 
 
 # -- 5. blocking get and aget agree on a counter deleted under them -----------------------------

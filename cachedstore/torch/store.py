@@ -426,14 +426,14 @@ class TorchEtcdStore(dist.Store):
                  opened: tuple[Scope, int, int] | None = None) -> bool:
         """torch's notion of "exists" for check and wait: a key, or a non-empty queue
         (``opened``: what ``queues.open_directory`` returned)."""
-        return self._has_key(name) or queues.is_nonempty(self._etcd, name, opened)
+        return self._has_key(name) or self._etcd.queues.is_nonempty(name, opened)
 
     def check(self, keys: list[str]) -> bool:
         """True if every key exists now, as a key or as a non-empty queue (never blocks)."""
         names = [self._name(k) for k in keys]
         try:
             # Watching what it touched: the keys' scopes and the queues' in one read.
-            opened = queues.open_directory(self._etcd, names)
+            opened = self._etcd.queues.open_directory(names)
             if self._etcd.check(names):
                 return True
             return all(self._present(n, opened) for n in names)
@@ -453,7 +453,7 @@ class TorchEtcdStore(dist.Store):
         non-empty queue), woken by the watch; StoreTimeoutError after ``wait`` seconds,
         raised at the deadline without reading etcd again."""
         # Watching what it touched: the keys' scopes and the queues' in one read.
-        opened = queues.open_directory(self._etcd, names) if queues_count else None
+        opened = self._etcd.queues.open_directory(names) if queues_count else None
         try:
             self._etcd.wait(names, timeout=0)
             return  # every key exists: the common case, answered from the cache
@@ -483,7 +483,7 @@ class TorchEtcdStore(dist.Store):
                 pause = remaining
                 if cache.scoped and (
                         not all(cache.watches(n) for n in missing)
-                        or (queues_count and not queues.watched(self._etcd))):
+                        or (queues_count and not self._etcd.queues.watched())):
                     # No open watch covers one of them (its opening gave way to another
                     # reader's, or failed): look again soon, which opens it.
                     pause = min(pause, UNWATCHED_RECHECK)
@@ -499,7 +499,7 @@ class TorchEtcdStore(dist.Store):
         """How many keys exist under the store's prefix, queue items not counted (like
         torch's HashStore and TCPStore): one Txn of count-only ranges."""
         try:
-            return queues.num_keys(self._etcd, self._scope() if self._scope else "")
+            return self._etcd.queues.num_keys(self._scope() if self._scope else "")
         except CachedStoreError as exc:
             raise _translate(exc, "num_keys") from exc
 
@@ -510,7 +510,7 @@ class TorchEtcdStore(dist.Store):
         :meth:`num_keys` counts (keys-only etcd ranges). Python callers only: torch's C++
         trampoline does not forward ``listKeys`` to Python stores."""
         try:
-            return queues.list_keys(self._etcd, self._scope() if self._scope else "")
+            return self._etcd.queues.list_keys(self._scope() if self._scope else "")
         except CachedStoreError as exc:
             raise _translate(exc, "list_keys") from exc
 
@@ -556,7 +556,7 @@ class TorchEtcdStore(dist.Store):
         """Append ``value`` to the FIFO queue ``key`` (one Txn; see
         :mod:`cachedstore.queues`). Queue names do not collide with key names."""
         try:
-            queues.push(self._etcd, self._name(key), value)
+            self._etcd.queues.push(self._name(key), value)
         except CachedStoreError as exc:
             raise _translate(exc, f"queue_push {key!r}") from exc
 
@@ -569,14 +569,14 @@ class TorchEtcdStore(dist.Store):
         name = self._name(key)
         wait = self._wait_seconds()
         try:
-            return queues.pop(self._etcd, name, block, wait, clock=self._clock)
+            return self._etcd.queues.pop(name, block, wait, clock=self._clock)
         except CachedStoreError as exc:
             raise _translate(exc, f"queue: {key!r}", wait) from exc
 
     def queue_len(self, key: str) -> int:
         """How many items queue ``key`` holds; 0 if it never existed (one count range)."""
         try:
-            return queues.length(self._etcd, self._name(key))
+            return self._etcd.queues.length(self._name(key))
         except CachedStoreError as exc:
             raise _translate(exc, f"queue_len {key!r}") from exc
 

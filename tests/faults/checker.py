@@ -267,12 +267,12 @@ def _worker(index: int, endpoints: list[str], prefix: str, config: dict[str, Any
                 elif op == "push":
                     seq += 1
                     key, arg = QUEUE, f"q{index}-{seq}"
-                    store.queue_push(QUEUE, arg)
+                    store.queues.push(QUEUE, arg)
                     result = None
                 elif op == "pop":
                     key = QUEUE
                     try:
-                        result = _text(store.queue_pop(QUEUE, block=False))
+                        result = _text(store.queues.pop(QUEUE, block=False))
                     except QueueEmptyError:
                         result = None
                 elif op == "mget":
@@ -416,7 +416,7 @@ def _sabotage(kind: str) -> None:
         from cachedstore.reads import ReadThrough
 
         def not_waiting(self: Any, names: Any, deadline: Any = None) -> set[str]:
-            self.revisions.current(self._call_deadline(deadline))  # the request, no wait
+            self.revisions.current(self.call_deadline(deadline))  # the request, no wait
             return {n for n in names if self._cache.applied_for(n) is not None}
 
         ReadThrough.consistent = not_waiting  # type: ignore[method-assign]

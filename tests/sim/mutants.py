@@ -159,10 +159,10 @@ def fold_limit() -> Iterator[None]:
 def queue_replay() -> Iterator[None]:
     """Issue 24, 4: a queue's remembered emptiness is trusted as soon as the stream is up
     again, before its replay of the outage caught up."""
-    def healthy(store: Any) -> bool:
-        return bool(store.watch_healthy)
+    def healthy(self: Any) -> bool:
+        return bool(self._serving_live())
 
-    with _patched(queues, "_vouched", healthy):
+    with _patched(queues.Queues, "_vouched", healthy):
         yield
 
 

@@ -252,7 +252,7 @@ class StoreMachine(RuleBasedStateMachine):
     def queue_push(self, store: int, queue: str, hold: bool) -> None:
         etcd = self.s.stores[store].etcd
         value = self.value(store)
-        self.run(store, "queue_push", [queue], lambda: etcd.queue_push(queue, value),
+        self.run(store, "queue_push", [queue], lambda: etcd.queues.push(queue, value),
                  hold=hold, args={"value": value})
 
     @precondition(lambda self: self.sim is not None)
@@ -262,13 +262,13 @@ class StoreMachine(RuleBasedStateMachine):
             return
         etcd = self.s.stores[store].etcd
         self.run(store, "queue_pop", [queue],
-                 lambda: etcd.queue_pop(queue, block=block, timeout=1000))
+                 lambda: etcd.queues.pop(queue, block=block, timeout=1000))
 
     @precondition(lambda self: self.sim is not None)
     @rule(store=stores, queue=st.sampled_from(QUEUES))
     def queue_len(self, store: int, queue: str) -> None:
         etcd = self.s.stores[store].etcd
-        self.run(store, "queue_len", [queue], lambda: etcd.queue_len(queue))
+        self.run(store, "queue_len", [queue], lambda: etcd.queues.length(queue))
 
     @precondition(lambda self: self.sim is not None)
     @rule(store=stores, names=st.lists(st.sampled_from([*QUEUES, "a"]), min_size=1,
@@ -592,7 +592,7 @@ class StoreMachine(RuleBasedStateMachine):
                 record.quiescent = True
         etcd = sim.stores[0].etcd
         for queue in QUEUES:
-            self.run(0, "queue_len", [queue], lambda q=queue: etcd.queue_len(q))
+            self.run(0, "queue_len", [queue], lambda q=queue: etcd.queues.length(q))
         final = {}
         for name in COUNTERS:
             op = sim.start(sim.stores[0], "final-add", lambda n=name: etcd.add(n, 0))
