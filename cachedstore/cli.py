@@ -330,7 +330,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
     from .connection import Connection, parse_endpoint, translate_rpc_error
     from .keys import KeySpace
     from .metrics import NullMetrics
-    from .watcher import current_revision
+    from .snapshot import current_revision
 
     config = StoreConfig().with_overrides(connect_timeout=args.dial_timeout,
                                           request_timeout=args.dial_timeout)

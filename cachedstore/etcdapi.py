@@ -4,10 +4,7 @@ The store (reads, writes, queues), the rendezvous backend (through the store's C
 API), the CLI and the plain client (:mod:`cachedstore.client`, the demo's uncached
 contender) build their requests with these functions instead of assembling ``etcdrpc``
 messages themselves, so that a compare, a range or a watch means the same thing everywhere.
-``tests/test_etcdapi.py`` keeps it so. Two modules still build their own: ``connection.py``
-(the auth request; :func:`authenticate` is ready for it) and ``watcher.py`` (its snapshot
-ranges, watch create, progress request and probe: :func:`range_prefix`,
-:func:`watch_create` and :func:`watch_progress` are ready for it).
+``tests/test_etcdapi.py`` keeps it so: no other module builds an ``etcdrpc`` request.
 
 Keys and values are ``bytes`` (whole etcd keys: the caller applies its prefix).
 

@@ -31,7 +31,7 @@ from .connection import Connection
 from .keys import KeySpace
 from .metrics import NullMetrics, StoreMetrics
 from .scoping import COARSEN_AT, Scope, ScopeRanges, dir_key, directory_of, key_key
-from .watcher import read_scopes
+from .snapshot import read_scopes
 
 __all__ = ["ScopeOpener"]
 

@@ -42,7 +42,8 @@ from .opener import ScopeOpener
 from .queues import Queues
 from .reads import MISSING, ReadThrough, Timeout, names_list
 from .scoping import locate
-from .watcher import Watcher, snapshot
+from .snapshot import snapshot
+from .watcher import Watcher
 from .writes import Versioned, Writer
 
 __all__ = ["MISSING", "EtcdStore", "Snapshot", "Versioned"]

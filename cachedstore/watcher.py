@@ -7,7 +7,8 @@ dies silently and cannot resume). It carries one etcd watch per scope of the cac
 before any scope exists) and each scope opened since, added on the live stream by
 :meth:`Watcher.add`. etcd and grpc-proxy number a stream's watches in the order of its
 creates, so each creation response is matched to its scope by watch id (the proxy may
-answer out of order, see :class:`_Stream`), and so are events. The stream:
+answer out of order, see :class:`~cachedstore.watchstream.WatchStream`), and so are
+events. The stream:
 
 - resumes after a disconnect, each scope from (its last applied event revision + 1), on
   the next endpoint, after a jittered back-off. Progress responses are *not* used to advance the resume point:
@@ -32,6 +33,10 @@ answer out of order, see :class:`_Stream`), and so are events. The stream:
 - stops the cache from being served (``cache.watch_down()``) from the moment any of this
   goes wrong until the stream is healthy again, and counts every restart by reason.
 
+This module is the loop (streams, restarts, resyncs) and the stream's response side; the
+request side (creates, progress requests, the stall watchdog and the access re-check) is
+``watchstream.py``, the snapshot reads that resyncs make ``snapshot.py``.
+
 The thread never dies silently: every exception is caught, logged, counted as a restart
 (reason ``error``) and followed by a new attempt, until :meth:`Watcher.stop`.
 """
@@ -40,8 +45,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
-from collections.abc import Iterator
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -52,23 +56,23 @@ from .clock import SYSTEM_CLOCK, Clock
 from .config import StoreConfig
 from .connection import Connection
 from .consistent import Progress
-from .errors import CachedStoreError, EtcdPermissionError, StoreClosedError
-from .etcdapi import TRANSPORT_FAILURES, Failure
+from .errors import CachedStoreError, StoreClosedError
+from .etcdapi import EVENT_PUT, TRANSPORT_FAILURES, Failure
 from .keys import KeySpace
-from .liveness import Liveness, pings_fit
+from .liveness import pings_fit
 from .metrics import NullMetrics, StoreMetrics
 from .scoping import Scope
-from .wire import PING, PONG
+from .snapshot import Entries, read_scope, read_scopes, snapshot
+from .watchstream import RequestSide, WatchStream
+from .wire import PONG
 
-__all__ = ["Watcher", "current_revision", "read_scope", "read_scopes", "snapshot"]
+__all__ = ["Watcher"]
 
 log = logging.getLogger("cachedstore.watch")
 
-_PUT = 0  # etcdrpc Event.EventType.PUT; DELETE is 1
 #: Why etcd may cancel a watch that renewed credentials can fix (or that says access is gone).
 _AUTH_FAILURES = frozenset({Failure.PERMISSION, Failure.TOKEN, Failure.AUTH_FAILED,
                             Failure.AUTH_NOT_ENABLED})
-
 
 
 def one_line(exc: BaseException | None) -> str:
@@ -82,108 +86,6 @@ def one_line(exc: BaseException | None) -> str:
     text = " ".join(str(exc).split())
     return text or type(exc).__name__
 
-
-def current_revision(conn: Connection, keyspace: KeySpace, deadline: float) -> int:
-    """etcd's current revision, read with a count-only range over the prefix (so that it
-    also checks the read permission on it). Raises cachedstore errors."""
-    return snapshot(conn, keyspace, 0, deadline)[0]
-
-
-def snapshot(conn: Connection, keyspace: KeySpace, limit: int, deadline: float
-             ) -> tuple[int, list[tuple[str, bytes, int]] | None]:
-    """etcd's current revision R and, if the prefix holds at most ``limit`` keys, all of
-    them as of R: ``(name, value, mod_revision)``; None when there are more (or R was
-    compacted in between). One count-only range, plus one range when there are keys to load.
-    Raises cachedstore errors."""
-    request = etcdapi.range_prefix(keyspace.range_start, keyspace.range_end, count_only=True)
-    counted = conn.call("range", request, deadline=deadline)
-    revision = int(counted.header.revision)
-    if limit <= 0 or counted.count > limit:  # 0: preloading disabled
-        return revision, None
-    if counted.count == 0:
-        return revision, []
-    request = etcdapi.range_prefix(keyspace.range_start, keyspace.range_end, revision=revision)
-    try:
-        response = conn.call("range", request, deadline=deadline)
-    except CachedStoreError as exc:
-        if etcdapi.classify(None, str(exc)) is Failure.COMPACTED:
-            return revision, None
-        raise
-    name_of = keyspace.name_of
-    entries = [(name_of(kv.key), kv.value, kv.mod_revision) for kv in response.kvs]
-    return revision, [e for e in entries if e[0] is not None]  # type: ignore[misc]
-
-
-def read_scopes(conn: Connection, keyspace: KeySpace, scopes: list[Scope], limit: int,
-                deadline: float) -> tuple[int, list[list[tuple[str, bytes, int]] | None]]:
-    """etcd's current revision R and, for each of ``scopes``, every key of it as of R if
-    it holds at most ``limit`` (None otherwise): one range request (a Txn of them for
-    several scopes) of at most ``limit + 1`` keys each. Raises cachedstore errors."""
-    requests = [etcdapi.range_prefix(scope.start, scope.end, limit=max(1, limit + 1),
-                                     count_only=limit <= 0) for scope in scopes]
-    if len(requests) == 1:
-        response = conn.call("range", requests[0], deadline=deadline)
-        answers = [response]
-    else:
-        response = conn.call("txn", etcdapi.txn(success=[etcdapi.op_range(r)
-                                                          for r in requests]),
-                             deadline=deadline)
-        answers = [r.response_range for r in response.responses]
-    name_of = keyspace.name_of
-    found: list[list[tuple[str, bytes, int]] | None] = []
-    for answer in answers:
-        if limit <= 0 or answer.more or len(answer.kvs) > limit:
-            found.append(None)
-            continue
-        entries = [(name_of(kv.key), kv.value, kv.mod_revision) for kv in answer.kvs]
-        found.append([e for e in entries if e[0] is not None])  # type: ignore[misc]
-    return int(response.header.revision), found
-
-
-def read_scope(conn: Connection, keyspace: KeySpace, scope: Scope, limit: int,
-               deadline: float) -> tuple[int, list[tuple[str, bytes, int]] | None]:
-    """:func:`read_scopes` of one scope."""
-    revision, found = read_scopes(conn, keyspace, [scope], limit, deadline)
-    return revision, found[0]
-
-
-class _Stream:
-    """The watches of one stream: creates to send, creates sent and not yet answered,
-    and the scope of each watch id. Guarded by the watcher's ``_scopes_lock``.
-
-    A create is matched to its answer by watch id, not by order: etcd and its grpc-proxy
-    both number a stream's watches 0, 1, 2 ... in the order the creates arrive (the store
-    asks for automatic ids), but the proxy answers a create that joins a watch it already
-    has at once, ahead of an earlier create still waiting for etcd, so answers can come
-    out of order. A create etcd refuses outright (permission denied) takes no id; the
-    stream then ends, so the numbering never drifts."""
-
-    __slots__ = ("on_stream", "to_send", "awaiting", "by_id", "next_id", "kick",
-                 "progress_wanted")
-
-    def __init__(self, scopes: list[Scope]) -> None:
-        self.on_stream = set(scopes)
-        self.to_send: deque[Scope] = deque(scopes)
-        #: Creates sent and not yet answered, by the watch id they will be given.
-        self.awaiting: dict[int, Scope] = {}
-        self.by_id: dict[int, Scope] = {}
-        self.next_id = 0
-        #: Set to wake the request side: a create to send, or the stream is over.
-        self.kick = threading.Event()
-        #: A consistent read asked for a progress response (sent once, at the next wake).
-        self.progress_wanted = False
-
-    def sent(self, scope: Scope) -> None:
-        """``scope``'s create was sent: it will be the next watch id."""
-        self.awaiting[self.next_id] = scope
-        self.next_id += 1
-
-    def created(self, watch_id: int) -> Scope | None:
-        """The scope of the create etcd answered with ``watch_id`` (None: not ours)."""
-        scope = self.awaiting.pop(watch_id, None)
-        if scope is not None:
-            self.by_id[watch_id] = scope
-        return scope
 
 
 class Watcher:
@@ -208,7 +110,7 @@ class Watcher:
         #: Scopes whose events were lost (compaction): read afresh before the next stream.
         self._needs_resync: set[Scope] = set()
         self._scopes_lock = threading.Lock()
-        self._stream: _Stream | None = None
+        self._stream: WatchStream | None = None
         #: A store that watches only what it touched also watches this one internal key,
         #: which nobody writes: its creation says the stream is up.
         anchor_key = keyspace.internal + b"anchor"
@@ -225,13 +127,6 @@ class Watcher:
         #: up (the reference of ``max_staleness``). Reconnect attempts do not move it; a
         #: denied access check sets it to -inf (nothing stale is served to a revoked user).
         self.last_contact = 0.0
-        #: The clock's time of the current stream's start or last message (stall watchdog).
-        self._stream_contact = 0.0
-        #: Whether the current stream has answered a progress request: etcd itself is at its
-        #: other end. grpc-proxy never answers one (the headers of its other answers are
-        #: etcd's: they do not tell). Until then, and for good through a proxy, the stream
-        #: does not PING (the proxy would answer for etcd).
-        self._progress_answered = False
         #: etcd closed a connection for PINGing too often: progress requests from then on.
         self._pings_refused = False
         #: The error that ended the last stream, if any (for the constructor's message).
@@ -279,6 +174,32 @@ class Watcher:
             self._thread.join(timeout)
         self._set_down()
 
+    def hurry(self) -> None:
+        """A thread began waiting for what the watch delivers: end a pacing wait of the
+        stream now (``StoreConfig.watch_pacing``). Any thread; does not block."""
+        hurry = getattr(self._call, "hurry", None)
+        if hurry is not None:
+            hurry()
+
+    def request_progress(self) -> None:
+        """Ask etcd for a progress response on the live stream (a consistent read waits
+        for the watch); requests made before it is sent share it. Any thread; does not
+        block; nothing happens while no stream is up."""
+        with self._scopes_lock:
+            stream = self._stream
+            if stream is None or stream.progress_wanted:
+                return
+            stream.progress_wanted = True
+            stream.kick.set()
+        self.hurry()  # a paced transport reads the answer at once
+
+    @property
+    def _progress_answered(self) -> bool:
+        """Whether the current stream has answered a progress request (etcd itself is at
+        its other end: see :attr:`WatchStream.progress_answered`)."""
+        stream = self._stream
+        return stream is not None and stream.progress_answered
+
     # -- state -------------------------------------------------------------------------------
     def _set_up(self, creation_revision: int, scope: Scope | None) -> None:
         self._cache.watch_up(creation_revision, scope)
@@ -292,6 +213,16 @@ class Watcher:
         if self.up:
             self.up = False
             self._metrics.watch_up.dec()
+
+    def _revoked(self, error: BaseException | None = None) -> None:
+        """etcd denied the store's credentials (``error``, if given, is kept in
+        ``last_error``): stop serving now, and nothing under ``max_staleness`` either
+        (what the cache holds is no longer theirs to read) until a stream is healthy
+        again."""
+        if error is not None:
+            self.last_error = error
+        self.last_contact = float("-inf")
+        self._cache.watch_down()
 
     # -- the loop --------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -363,203 +294,188 @@ class Watcher:
                                               self._conn.deadline())
                 self._reset(revision, list(zip(batch, found, strict=True)))
 
-    def _reset(self, revision: int,
-               read: list[tuple[Scope, list[tuple[str, bytes, int]] | None]]) -> None:
+    def _reset(self, revision: int, read: list[tuple[Scope, Entries | None]]) -> None:
         """Reset the scopes just read at ``revision`` and forget they needed it."""
         for scope, entries in read:
             self._cache.reset(revision, entries, scope)
             self._needs_resync.discard(scope)
         self._revision = max(self._revision, revision)
 
+    # -- one stream ------------------------------------------------------------------------------
     def _stream_once(self) -> str:
         """Run one watch stream until it ends; return why it ended (a restart reason)."""
         # A member of another cluster is never watched: its revisions are not ours. The
         # first created answer checks the member (see _handle): no Status call first.
         index, endpoint = self._conn.endpoint()
-        ended = threading.Event()  # set when this stream is over: the request side ends
-        clock = self._clock
-        stalled = threading.Event()
-        denied = threading.Event()
         self._lagging_since = {}
         with self._scopes_lock:  # atomic with add(): every open scope is watched once
             scopes = self._cache.watched_scopes()
             if self._cache.scoped:
                 scopes.insert(0, self._anchor)
-            stream = self._stream = _Stream(scopes)
-        anchor = self._anchor
-        lock = self._scopes_lock
-
-        def creates() -> Iterator[Any]:
-            """The creates queued on this stream, each recorded as awaiting its answer,
-            then the progress request a consistent read asked for, if any (checked after
-            the kick is cleared, so that a request made at any time is sent)."""
-            while True:
-                with lock:
-                    if not stream.to_send:
-                        stream.kick.clear()
-                        break
-                    scope = stream.to_send.popleft()
-                    stream.sent(scope)
-                yield etcdapi.watch_create(scope.start, scope.end,
-                                           0 if scope is anchor else scope.applied + 1)
-            if stream.progress_wanted:  # a consistent read waits for the watch
-                stream.progress_wanted = False
-                self._metrics.progress_requests.inc()
-                yield progress
-
-        progress = etcdapi.watch_progress()
-        config = self._config
-        interval = config.progress_interval
-        auth_interval = config.auth_check_interval if self._conn.has_identity else None
-        pinging = (getattr(endpoint.watch_stream, "pings", False) and not self._pings_refused
-                   and pings_fit(config.ping_interval, config.stall_timeout))
-
-        def request_stream() -> Iterator[Any]:
-            # Runs on the transport's request-consumer thread; doubles as the stall
-            # watchdog (liveness.py says when) and, with credentials, as the access
-            # re-check (which never delays the watchdog: it runs after a liveness step,
-            # within the time left until the next wake-up).
-            # Heard "now": the connection (TCP, TLS) is up once this runs on the wire
-            # transport, however long it took.
-            self._stream_contact = clock.monotonic()
-            yield from creates()
-            live = Liveness(clock.monotonic(), progress_interval=interval,
-                            stall_timeout=config.stall_timeout,
-                            ping_interval=config.ping_interval, pinging=pinging,
-                            confirmed=False)
-            next_auth = clock.monotonic() + auth_interval if auth_interval else None
-            checked_token = self._conn.token
-            while True:
-                wake = live.next_wake(self._stream_contact)
-                if next_auth is not None:
-                    wake = min(wake, next_auth)
-                if clock.wait(stream.kick, max(0.0, wake - clock.monotonic())):
-                    if ended.is_set():
-                        return  # the stream is over
-                    yield from creates()  # a scope was opened, or progress is wanted
-                    continue
-                if self._stopping.is_set():
-                    return
-                # etcd's grpc-proxy would answer PINGs itself, which says nothing of etcd:
-                # a stream PINGs only once etcd itself answered it (_progress_answered).
-                live.confirmed = self._progress_answered
-                step = live.step(clock.monotonic(), self._stream_contact, self._lagging())
-                if step.stalled:
-                    if not self._progress_answered and self._probe(endpoint, interval):
-                        # Quiet, not stalled: this endpoint ignores progress requests
-                        # (etcd's grpc-proxy) but answers on the channel.
-                        self._stream_contact = clock.monotonic()
-                        continue
-                    stalled.set()
-                    self._cache.watch_down()  # stop serving now, not after cancel
-                    call.cancel()
-                    return
-                if step.ping:
-                    self._metrics.watch_pings.inc()
-                    yield PING
-                if step.progress:
-                    self._metrics.progress_requests.inc()
-                    yield progress
-                if next_auth is None or auth_interval is None:
-                    continue
-                token = self._conn.token
-                if clock.monotonic() < next_auth and token == checked_token:
-                    continue
-                budget = max(0.05, live.next_wake(self._stream_contact) - clock.monotonic())
-                granted = self._access_granted(budget)
-                if granted is False:
-                    denied.set()
-                    self._revoked()
-                    call.cancel()
-                    return
-                if granted:  # None (no answer in time): ask again at the next wake-up
-                    checked_token = self._conn.token  # renewed by the check, if at all
-                    next_auth = clock.monotonic() + auth_interval
-                continue
-
-        self._stream_contact = clock.monotonic()
-        self._progress_answered = False
-        call = endpoint.watch_stream.Watch(request_stream(), metadata=self._conn.metadata())
+            stream = self._stream = WatchStream(scopes)
+        side = self._request_side(stream, endpoint)
+        stream.heard = self._clock.monotonic()
+        call = side.call = endpoint.watch_stream.Watch(side.requests(),
+                                                       metadata=self._conn.metadata())
         pace = getattr(call, "pace", None)  # the wire transport's; grpcio reads regardless
         if pace is not None and self._config.watch_pacing > 0:
-            pace(self._config.watch_pacing, self._cache.awaited, clock.monotonic)
+            pace(self._config.watch_pacing, self._cache.awaited, self._clock.monotonic)
         self._call = call
         if self._stopping.is_set() or self._rescope:
             call.cancel()
         try:
-            for response in call:
-                self._stream_contact = clock.monotonic()
-                reason = self._handle(response, index, stream)
-                if reason is not None:
-                    return reason
-                if self._cache.floor == 0:  # caught up: the cache is confirmed current
-                    self.last_contact = self._stream_contact
-            self.last_error = None
-            return "ended"
+            return self._receive(call, index, stream)
         except grpc.RpcError as exc:
             self.last_error = exc
-            if self._stopping.is_set():
-                return "closed"
-            if self._rescope:
-                return "rescoped"
-            if stalled.is_set():
-                self._conn.failover(index)
-                return "stalled"
-            if denied.is_set():
-                return "auth"
-            failure = etcdapi.classify_rpc_error(exc)[0]
-            if failure is Failure.TOKEN:
-                self._conn.authenticate(self._conn.deadline(), stale_token=self._conn.token)
-                return "auth"
-            if failure in TRANSPORT_FAILURES:  # resume on the next endpoint
-                if pinging and "too_many_pings" in str(exc):
-                    self._pings_refused = True  # the same stream, progress requests
-                    log.warning("cachedstore watch: etcd refused the stream's PINGs "
-                                "(ping_interval %g s is below its "
-                                "--grpc-keepalive-min-time); using progress requests "
-                                "every %g s from now on", config.ping_interval, interval)
-                    return "disconnect"
-                self._conn.failover(index)
-                return "disconnect"
-            if failure is Failure.CANCELLED:
-                return "canceled"
-            return "error"
+            return self._broken(exc, index, side)
         finally:
-            ended.set()
-            with lock:
-                stream.kick.set()
-                self._stream = None
-            call.cancel()
-            # The request side returns now (ended, kicked); the wire transport's thread
-            # that runs it is waited for, so that none outlives the stream (or close()).
-            # Bounded: the request side may be inside a liveness probe or access check.
-            join = getattr(call, "join", None)
-            if join is not None:
-                join(self._config.progress_interval + 1.0)
-            self._call = None
+            self._end(call, stream, side)
 
-    def hurry(self) -> None:
-        """A thread began waiting for what the watch delivers: end a pacing wait of the
-        stream now (``StoreConfig.watch_pacing``). Any thread; does not block."""
-        hurry = getattr(self._call, "hurry", None)
-        if hurry is not None:
-            hurry()
+    def _request_side(self, stream: WatchStream, endpoint: Any) -> RequestSide:
+        """The request side of ``stream``, to be opened on ``endpoint``: PINGs where the
+        transport sends them, etcd has not refused them and they fit ``stall_timeout``."""
+        config = self._config
+        pinging = (getattr(endpoint.watch_stream, "pings", False) and not self._pings_refused
+                   and pings_fit(config.ping_interval, config.stall_timeout))
+        return RequestSide(stream, self._scopes_lock, self._anchor, endpoint=endpoint,
+                           pinging=pinging, conn=self._conn, keyspace=self._keyspace,
+                           cache=self._cache, config=config, metrics=self._metrics,
+                           clock=self._clock, stopping=self._stopping, revoked=self._revoked)
 
-    def request_progress(self) -> None:
-        """Ask etcd for a progress response on the live stream (a consistent read waits
-        for the watch); requests made before it is sent share it. Any thread; does not
-        block; nothing happens while no stream is up."""
+    def _receive(self, call: Any, index: int, stream: WatchStream) -> str:
+        """Handle the responses of ``call`` until one ends the stream (its restart reason)
+        or etcd ends it cleanly (``ended``). Raises grpc.RpcError when the stream breaks."""
+        clock = self._clock
+        for response in call:
+            stream.heard = clock.monotonic()
+            reason = self._handle(response, index, stream)
+            if reason is not None:
+                return reason
+            if self._cache.floor == 0:  # caught up: the cache is confirmed current
+                self.last_contact = stream.heard
+        self.last_error = None
+        return "ended"
+
+    def _broken(self, exc: grpc.RpcError, index: int, side: RequestSide) -> str:
+        """The restart reason of a stream that broke with ``exc``: the watcher's own
+        cancel, the request side's verdict, or what the error says."""
+        if self._stopping.is_set():
+            return "closed"
+        if self._rescope:
+            return "rescoped"
+        if side.stalled.is_set():
+            self._conn.failover(index)
+            return "stalled"
+        if side.denied.is_set():
+            return "auth"
+        failure = etcdapi.classify_rpc_error(exc)[0]
+        if failure is Failure.TOKEN:
+            self._conn.authenticate(self._conn.deadline(), stale_token=self._conn.token)
+            return "auth"
+        if failure in TRANSPORT_FAILURES:  # resume on the next endpoint
+            if side.pinging and "too_many_pings" in str(exc):
+                self._pings_refused = True  # the same stream, progress requests
+                log.warning("cachedstore watch: etcd refused the stream's PINGs "
+                            "(ping_interval %g s is below its "
+                            "--grpc-keepalive-min-time); using progress requests "
+                            "every %g s from now on", self._config.ping_interval,
+                            self._config.progress_interval)
+                return "disconnect"
+            self._conn.failover(index)
+            return "disconnect"
+        if failure is Failure.CANCELLED:
+            return "canceled"
+        return "error"
+
+    def _end(self, call: Any, stream: WatchStream, side: RequestSide) -> None:
+        """The stream is over: end its request side and cancel the call."""
+        side.ended.set()
         with self._scopes_lock:
-            stream = self._stream
-            if stream is None or stream.progress_wanted:
-                return
-            stream.progress_wanted = True
             stream.kick.set()
-        self.hurry()  # a paced transport reads the answer at once
+            self._stream = None
+        call.cancel()
+        # The request side returns now (ended, kicked); the wire transport's thread
+        # that runs it is waited for, so that none outlives the stream (or close()).
+        # Bounded: the request side may be inside a liveness probe or access check.
+        join = getattr(call, "join", None)
+        if join is not None:
+            join(self._config.progress_interval + 1.0)
+        self._call = None
 
-    def _lagging(self) -> bool:
-        """Whether a watched scope is replaying (asks liveness for progress requests)."""
-        return any(s.catch_up_to for s in self._cache.watched_scopes())
+    # -- the response side -----------------------------------------------------------------------
+    def _handle(self, response: Any, index: int, stream: WatchStream) -> str | None:
+        """Apply one watch response from endpoint ``index``; return a restart reason if
+        the stream must end. Raises ClusterMismatchError for a stream created on a member
+        of another cluster (its member was replaced since it was checked)."""
+        if response is PONG:  # a PING acknowledged: liveness only (the caller noted it)
+            return None
+        if response.created:  # matched by id: grpc-proxy may answer out of order
+            scope = self._created(response, index, stream)
+            if scope is None and not response.canceled:
+                # Not an id this stream's creates were given: its events would be lost.
+                self.last_error = CachedStoreError(
+                    f"etcd answered a watch create with id {response.watch_id}, which no "
+                    f"create on this stream was given")
+                return "error"
+        else:
+            scope = stream.by_id.get(response.watch_id)
+        if response.canceled:
+            return self._canceled(response, scope)
+        if response.created:
+            self._stream_was_healthy = True
+            self._set_up(response.header.revision, None if scope is self._anchor else scope)
+            self._metrics.watch_revision.set(max(self._revision, response.header.revision))
+        elif not response.events:  # a progress response: liveness only, never ordering
+            self._progressed(response.header.revision, stream)
+        elif scope is not None and scope is not self._anchor:
+            self._apply(response.events, scope, response.header.revision)
+        # (else: a watch of a dropped scope; the store fell back to its prefix)
+        return None
+
+    def _created(self, response: Any, index: int, stream: WatchStream) -> Scope | None:
+        """The scope of the create that ``response`` answers (None: not ours), once the
+        member behind endpoint ``index`` is known to be of the store's cluster."""
+        # Before anything of this stream is used: its member is the store's cluster's
+        # (a proxy's answers carry no cluster id: then one Status call, once).
+        self._conn.check_cluster(index, response.header)
+        self._conn.check_member(index, self._conn.deadline())
+        with self._scopes_lock:
+            return stream.created(response.watch_id)
+
+    def _canceled(self, response: Any, scope: Scope | None) -> str:
+        """etcd canceled the watch of ``scope`` (None: not known): the restart reason.
+        A compaction marks every scope that lost events for a resync; a cancel for
+        permission stops serving; one that fresh credentials may fix renews them."""
+        if response.compact_revision:
+            if scope is not None and scope is not self._anchor:
+                self._needs_resync.add(scope)
+            # Every scope not past the compacted revision lost events too.
+            self._needs_resync.update(
+                s for s in self._cache.watched_scopes()
+                if s.applied + 1 < response.compact_revision)
+            resume = scope.applied + 1 if scope is not None else self._revision + 1
+            self.last_error = CachedStoreError(
+                f"revision {resume} compacted (etcd compacted up to "
+                f"{response.compact_revision})")
+            return "compacted"
+        reason = response.cancel_reason or "watch canceled by etcd"
+        self.last_error = CachedStoreError(reason)
+        failure = etcdapi.classify(None, reason)
+        if failure is Failure.PERMISSION:
+            self._revoked()
+        if failure in _AUTH_FAILURES:
+            self._conn.authenticate(self._conn.deadline(), stale_token=self._conn.token)
+            return "auth"
+        return "canceled"
+
+    def _progressed(self, revision: int, stream: WatchStream) -> None:
+        """A progress response at ``revision``: etcd itself answers the stream. Used for
+        liveness and hints, never to move a resume point."""
+        stream.progress_answered = True
+        self._metrics.watch_revision.set(max(self._revision, revision))
+        self._refresh_quiet_scopes()
+        # A hint for consistent reads to stop waiting (never a proof of order).
+        self.progress.progressed(revision)
 
     def _refresh_quiet_scopes(self) -> None:
         """Read afresh the scopes still replaying, a progress interval after the stream
@@ -590,98 +506,8 @@ class Watcher:
             del since[scope]
         self._metrics.quiet_refreshes.inc(len(due))
 
-    def _revoked(self) -> None:
-        """etcd denied the store's credentials: stop serving now, and nothing under
-        ``max_staleness`` either (what the cache holds is no longer theirs to read) until
-        a stream is healthy again."""
-        self.last_contact = float("-inf")
-        self._cache.watch_down()
-
-    def _access_granted(self, timeout: float) -> bool | None:
-        """Whether the store's credentials still let it read its prefix: one count-only
-        range with the current token (renewed if expired), given ``timeout`` seconds.
-        False when etcd denies it (the error is kept in ``last_error``); None when there
-        was no answer (a transport failure is the stall watchdog's business)."""
-        try:
-            current_revision(self._conn, self._keyspace, self._conn.deadline(timeout))
-        except EtcdPermissionError as exc:  # AuthenticationError included
-            self.last_error = exc
-            log.warning("cachedstore watch: access to the prefix was revoked (%s); the "
-                        "cache is not served until it is granted again", exc)
-            return False
-        except CachedStoreError:
-            return None
-        return True
-
-    def _probe(self, endpoint: Any, timeout: float) -> bool:
-        """Liveness of a stream that never answered a progress request: one count-only
-        range on the stream's own channel. True if answered within ``timeout``."""
-        request = etcdapi.range_prefix(self._keyspace.range_start, self._keyspace.range_end,
-                                       count_only=True)
-        try:
-            endpoint.kv.Range(request, timeout=timeout, metadata=self._conn.metadata())
-        except (grpc.RpcError, ValueError):  # ValueError: the channel was closed
-            return False
-        return True
-
-    def _handle(self, response: Any, index: int, stream: _Stream) -> str | None:
-        """Apply one watch response from endpoint ``index``; return a restart reason if
-        the stream must end. Raises ClusterMismatchError for a stream created on a member
-        of another cluster (its member was replaced since it was checked)."""
-        if response is PONG:  # a PING acknowledged: liveness only (the caller noted it)
-            return None
-        if response.created:  # matched by id: grpc-proxy may answer out of order
-            # Before anything of this stream is used: its member is the store's cluster's
-            # (a proxy's answers carry no cluster id: then one Status call, once).
-            self._conn.check_cluster(index, response.header)
-            self._conn.check_member(index, self._conn.deadline())
-            with self._scopes_lock:
-                scope = stream.created(response.watch_id)
-            if scope is None and not response.canceled:
-                # Not an id this stream's creates were given: its events would be lost.
-                self.last_error = CachedStoreError(
-                    f"etcd answered a watch create with id {response.watch_id}, which no "
-                    f"create on this stream was given")
-                return "error"
-        else:
-            scope = stream.by_id.get(response.watch_id)
-        if response.canceled:
-            if response.compact_revision:
-                if scope is not None and scope is not self._anchor:
-                    self._needs_resync.add(scope)
-                # Every scope not past the compacted revision lost events too.
-                self._needs_resync.update(
-                    s for s in self._cache.watched_scopes()
-                    if s.applied + 1 < response.compact_revision)
-                resume = scope.applied + 1 if scope is not None else self._revision + 1
-                self.last_error = CachedStoreError(
-                    f"revision {resume} compacted (etcd compacted up to "
-                    f"{response.compact_revision})")
-                return "compacted"
-            reason = response.cancel_reason or "watch canceled by etcd"
-            self.last_error = CachedStoreError(reason)
-            failure = etcdapi.classify(None, reason)
-            if failure is Failure.PERMISSION:
-                self._revoked()
-            if failure in _AUTH_FAILURES:
-                self._conn.authenticate(self._conn.deadline(), stale_token=self._conn.token)
-                return "auth"
-            return "canceled"
-        if response.created:
-            self._stream_was_healthy = True
-            self._set_up(response.header.revision, None if scope is self._anchor else scope)
-            self._metrics.watch_revision.set(max(self._revision, response.header.revision))
-            return None
-        events = response.events
-        if not events:  # a progress response: liveness only, never ordering
-            self._progress_answered = True
-            self._metrics.watch_revision.set(max(self._revision, response.header.revision))
-            self._refresh_quiet_scopes()
-            # A hint for consistent reads to stop waiting (never a proof of order).
-            self.progress.progressed(response.header.revision)
-            return None
-        if scope is None or scope is self._anchor:
-            return None  # a watch of a dropped scope (the store fell back to its prefix)
+    def _apply(self, events: Sequence[Any], scope: Scope, header_revision: int) -> None:
+        """Apply the events of one response (one or more whole revisions) to ``scope``."""
         name_of = self._keyspace.name_of
         batch = []
         puts = 0
@@ -690,7 +516,7 @@ class Watcher:
             name = name_of(kv.key)
             if name is None:
                 continue
-            if event.type == _PUT:
+            if event.type == EVENT_PUT:
                 puts += 1
                 batch.append((name, kv.value, kv.mod_revision))
             else:
@@ -701,5 +527,4 @@ class Watcher:
         self._revision = max(self._revision, last)
         self._metrics.events_put.inc(puts)
         self._metrics.events_delete.inc(len(batch) - puts)
-        self._metrics.watch_revision.set(max(self._revision, response.header.revision))
-        return None
+        self._metrics.watch_revision.set(max(self._revision, header_revision))

@@ -229,11 +229,11 @@ def test_creates_are_matched_to_their_answers_by_watch_id() -> None:
     proxy answers a create joining a watch it already has at once, ahead of an earlier
     one still waiting for etcd: the answers are matched by id, not by order."""
     from cachedstore.scoping import Scope
-    from cachedstore.watcher import _Stream
+    from cachedstore.watchstream import WatchStream
 
     first, second, third = (Scope(f"k{n}", n.encode(), n.encode() + b"\0")
                             for n in ("a", "b", "c"))
-    stream = _Stream([first, second])
+    stream = WatchStream([first, second])
     for scope in (first, second, third):
         stream.sent(scope)
     assert stream.created(1) is second  # the proxy's early answer
