@@ -28,7 +28,7 @@ from .errors import InvalidInputError, InvalidTypeError
 from .keys import REQUEST_OVERHEAD, int64, prefix_range_end, to_value
 from .writes import Versioned, Writer
 
-__all__ = ["Snapshot", "put_many_if", "read_many"]
+__all__ = ["Snapshot", "VersionedKeys", "put_many_if", "read_many"]
 
 #: How often a snapshot that found a counter is read again after folding it.
 _FOLD_ATTEMPTS = 3
@@ -87,7 +87,7 @@ def read_many(writer: Writer, names: Iterable[object] = (),
               prefixes: Iterable[object] = ()) -> Snapshot:
     """The keys ``names`` and every key whose name starts with one of ``prefixes``, read
     from etcd at one revision: one read-only Txn. A counter (``add``) found is folded into
-    a plain decimal (a write, as :meth:`~cachedstore.EtcdStore.read` does) and the whole
+    a plain decimal (a write, as ``VersionedKeys.read`` does) and the whole
     snapshot read again; a counter that is added to again each time, three times over, is
     returned as stored (its marker). Raises InvalidInputError for a bad name or more
     ranges than a Txn takes."""
@@ -214,3 +214,66 @@ def _check_ops(what: str, n: int, writer: Writer) -> None:
     if n > limit:
         raise InvalidInputError(f"{n} {what} in one Txn; etcd takes at most {limit} "
                                 f"(max_txn_ops, etcd's --max-txn-ops)")
+
+
+class VersionedKeys:
+    """Versioned reads and conditional writes of one store (``store.versioned``): the
+    optimistic-concurrency primitives of protocols like torchrun's rendezvous. Nothing here
+    is answered from the cache; writes follow its in-flight gate, so the store's own reads
+    see them as soon as they return. Every method blocks for one round trip (a counter
+    found is folded first: one more) and is thread-safe."""
+
+    def __init__(self, writer: Writer) -> None:
+        self._writer = writer
+
+    def read(self, name: object) -> Versioned | None:
+        """The key's current value and metadata, read from etcd (linearizable, never from
+        the cache), or None if absent. The answer also fills the cache through the
+        revision gate. A counter is folded into a plain decimal first (its adds never
+        change the key's ``mod_revision``, so a ``put_if`` on that token would lose
+        them)."""
+        return self._writer.read(name)
+
+    def put_if(self, name: object, value: object, *, mod_revision: int, lease: int = 0
+               ) -> tuple[bool, Versioned | None]:
+        """Compare-and-swap on the key's ``mod_revision``: write ``value`` (attached to
+        ``lease`` if non-zero) only if the key was last modified at ``mod_revision``, or,
+        with ``mod_revision=0``, only if it is absent.
+
+        Returns ``(True, the new Versioned)`` on success, else ``(False, the current
+        Versioned or None if absent)``. One Txn; not re-sent once it may have reached etcd
+        (EtcdConnectionError then says the outcome is unknown). LeaseNotFoundError if the
+        lease expired; InvalidTypeError for a revision or lease that is not an int from 0
+        to 2**63 - 1. Atomic across processes."""
+        return self._writer.put_if(name, value, mod_revision, lease)
+
+    def read_many(self, names: Iterable[object] = (), prefixes: Iterable[object] = ()
+                  ) -> Snapshot:
+        """The keys ``names`` and every key whose name starts with one of ``prefixes``,
+        read from etcd at one revision (linearizable, never from the cache, and not filling
+        it): one read-only Txn. Returns a :class:`Snapshot` (revision, name → Versioned).
+        InvalidInputError for a bad name or more ranges than a Txn takes
+        (``max_txn_ops``)."""
+        return read_many(self._writer, names, prefixes)
+
+    def put_many_if(self, expect: Mapping[Any, int], puts: Mapping[Any, object],
+                    deletes: Iterable[object] = (), *, lease: int = 0,
+                    names: Iterable[object] = (), prefixes: Iterable[object] = (),
+                    unchanged_since: Mapping[Any, int] | None = None
+                    ) -> tuple[bool, Snapshot]:
+        """:meth:`put_if` over several keys: if every key of ``expect`` was last modified
+        at the revision given (0: absent), and no key of ``unchanged_since`` was modified
+        after the revision given (a name there stands for every key whose name starts with
+        it, a pair ``(first, last)`` for every name from ``first`` to ``last``, both
+        included), put ``puts`` (attached to ``lease`` if non-zero), delete ``deletes``,
+        then read ``names`` and ``prefixes``; otherwise only read them. One Txn, atomic
+        across processes.
+
+        Returns ``(True, the Snapshot after the writes)`` or ``(False, the Snapshot)``. Not
+        re-sent once it may have reached etcd (EtcdConnectionError: outcome unknown).
+        InvalidInputError for a bad name, a name both put and deleted, more operations or
+        bytes than one Txn takes, or a range whose first name sorts after its last;
+        InvalidTypeError for a revision or lease that is not an int from 0 to 2**63 - 1;
+        LeaseNotFoundError if the lease expired."""
+        return put_many_if(self._writer, expect, puts, deletes, lease=lease, names=names,
+                           prefixes=prefixes, unchanged_since=unchanged_since)

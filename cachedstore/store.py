@@ -1,8 +1,13 @@
 """The front end: :class:`EtcdStore`, wiring the parts of one store together.
 
-The parts, one concern each: the coherence core (``cache.py``), the watch (``watcher.py``),
-read-through and waiting (``reads.py``), writes and Txns (``writes.py``), asyncio
-(``aio.py``), the connection (``connection.py``). This module keeps only the hot paths of
+The parts, one concern each: the coherence core (``cache.py``); the watch (``watcher.py``:
+the restart loop and responses; ``watchstream.py``: one stream's requests and watchdog;
+``snapshot.py``: the reads that open and resync it; ``opener.py``: scopes); read-through
+and waiting (``reads.py``, its logic written once for both fronts in ``steps.py``);
+writes (``writes.py``); asyncio (``aio.py``); the connection (``connection.py``, its retry
+policy in ``retry.py``). Components reached through the store: ``store.queues``
+(``queues.py``), ``store.versioned`` (``guarded.py``), ``store.leases`` (``leases.py``).
+This module keeps only the hot paths of
 ``get``/``aget``/``mget`` (inline on purpose: a cache hit is one lookup and one counter
 increment), the lifecycle (construction, ``close``, fork) and the documented public
 methods, which delegate.
@@ -21,7 +26,6 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from . import guarded
 from .aio import AsyncFront
 from .cache import NOT_SERVING, CoherentCache
 from .clock import SYSTEM_CLOCK, Clock
@@ -35,8 +39,9 @@ from .errors import (
     StoreClosedError,
     StoreForkedError,
 )
-from .guarded import Snapshot
+from .guarded import Snapshot, VersionedKeys
 from .keys import KeySpace
+from .leases import Leases
 from .metrics import make_metrics
 from .opener import ScopeOpener
 from .queues import Queues
@@ -191,6 +196,11 @@ class EtcdStore:
                                   clock, self._check_open, self._stale_allowed, self._opener)
         self._writes = Writer(self._conn, self._keys, self._cache, cfg, self._check_open)
         self._aio = AsyncFront(self._reads, f"cachedstore-aio-{self._id}")
+        #: Versioned reads and conditional writes (``read``, ``put_if``, ``read_many``,
+        #: ``put_many_if``): the rendezvous backend's primitives.
+        self.versioned = VersionedKeys(self._writes)
+        #: etcd leases (``grant``, ``time_to_live``, ``revoke``).
+        self.leases = Leases(self._conn, self._check_open)
         #: FIFO queues (torch Store semantics): ``store.queues.push/pop/length``.
         self.queues = Queues(self._conn, self._keys, self._cache, self._opener, cfg.timeout,
                              self._check_open, lambda: self.watch_healthy,
@@ -604,79 +614,6 @@ class EtcdStore:
         """
         with self._timed("compare_set"):
             return self._writes.compare_set(name, expected, desired)
-
-    # -- versioned reads, conditional writes and leases (the rendezvous backend's API) ----
-    def read(self, name: Name) -> Versioned | None:
-        """The key's current value and metadata, read from etcd (linearizable, never from
-        the cache), or None if absent. The result also fills the cache through the revision
-        gate. One range request; blocks for it. Thread-safe."""
-        return self._writes.read(name)
-
-    def put_if(self, name: Name, value: Value, *, mod_revision: int, lease: int = 0
-               ) -> tuple[bool, Versioned | None]:
-        """Compare-and-swap on the key's ``mod_revision``: write ``value`` (attached to
-        ``lease`` if non-zero) only if the key was last modified at ``mod_revision``, or,
-        with ``mod_revision=0``, only if it is absent.
-
-        Returns ``(True, the new Versioned)`` on success, else ``(False, the current
-        Versioned or None if absent)``. One Txn; not re-sent once it may have reached etcd
-        (EtcdConnectionError then says the outcome is unknown). LeaseNotFoundError if the
-        lease expired; InvalidTypeError for a revision or lease that is not an int from 0
-        to 2**63 - 1. Blocks for the round trip. Thread-safe, atomic across processes."""
-        return self._writes.put_if(name, value, mod_revision, lease)
-
-    def read_many(self, names: Iterable[Name] = (), prefixes: Iterable[Name] = ()
-                  ) -> Snapshot:
-        """The keys ``names`` and every key whose name starts with one of ``prefixes``,
-        read from etcd at one revision (linearizable, never from the cache, and not filling
-        it): one read-only Txn. Returns a :class:`Snapshot` (revision, name → Versioned).
-        A counter is folded into its decimal first, as :meth:`read` does.
-        InvalidInputError for a bad name or more ranges than a Txn takes (``max_txn_ops``).
-        Blocks for the round trip. Thread-safe."""
-        return guarded.read_many(self._writes, names, prefixes)
-
-    def put_many_if(self, expect: Mapping[str, int] | Mapping[bytes, int],
-                    puts: Mapping[str, Value] | Mapping[bytes, Value],
-                    deletes: Iterable[Name] = (), *, lease: int = 0,
-                    names: Iterable[Name] = (), prefixes: Iterable[Name] = (),
-                    unchanged_since: Mapping[str, int] | Mapping[bytes, int]
-                    | Mapping[Name | tuple[Name, Name], int] | None = None
-                    ) -> tuple[bool, Snapshot]:
-        """:meth:`put_if` over several keys: if every key of ``expect`` was last modified
-        at the revision given (0: absent), and no key of ``unchanged_since`` was modified
-        after the revision given (a name there stands for every key whose name starts with
-        it, a pair ``(first, last)`` for every name from ``first`` to ``last``, both
-        included), put ``puts`` (attached to ``lease`` if non-zero), delete ``deletes``,
-        then read ``names`` and ``prefixes``; otherwise only read them. One Txn, atomic
-        across processes.
-
-        Returns ``(True, the Snapshot after the writes)`` or ``(False, the Snapshot)``. Not
-        re-sent once it may have reached etcd (EtcdConnectionError: outcome unknown).
-        InvalidInputError for a bad name, a name both put and deleted, more operations or
-        bytes than one Txn takes, or a range whose first name sorts after its last;
-        InvalidTypeError for a revision or lease that is not an int from 0 to 2**63 - 1;
-        LeaseNotFoundError if the lease expired. Blocks for the round trip. Thread-safe."""
-        return guarded.put_many_if(self._writes, expect, puts, deletes, lease=lease,
-                                   names=names, prefixes=prefixes,
-                                   unchanged_since=unchanged_since)
-
-    def grant_lease(self, ttl: float) -> int:
-        """A new etcd lease of ``ttl`` seconds (rounded up to whole seconds, at least 1);
-        returns its id. Keys written with it vanish when it expires or is revoked. One
-        request; blocks for it. InvalidInputError unless 0 < ttl < 2**62. Thread-safe."""
-        return self._writes.grant_lease(ttl)
-
-    def lease_time_to_live(self, lease: int) -> tuple[int, int] | None:
-        """``(seconds left, seconds granted)`` of ``lease``, or None if it expired, was
-        revoked or never existed. One request; blocks for it. InvalidTypeError unless
-        ``lease`` is an int from 1 to 2**63 - 1 (etcd's lease ids). Thread-safe."""
-        return self._writes.lease_time_to_live(lease)
-
-    def revoke_lease(self, lease: int) -> None:
-        """Revoke ``lease``: every key attached to it is deleted. A lease that no longer
-        exists is not an error. One request; blocks for it. InvalidTypeError unless
-        ``lease`` is an int from 1 to 2**63 - 1. Thread-safe."""
-        self._writes.revoke_lease(lease)
 
     # -- key listing (cachedstore.queues: it knows which keys are queue items) ----------
     def list_keys(self) -> list[str]:

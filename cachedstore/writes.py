@@ -1,4 +1,4 @@
-"""Writes, compare-and-swap, versioned reads and leases of one store.
+"""Writes, compare-and-swap and versioned reads of one store (leases: ``leases.py``).
 
 Every write follows the coherence core's protocol for operations in flight: its keys are
 registered (``begin``) before the request is sent, and etcd's answer is reported with the
@@ -11,20 +11,17 @@ is abandoned (``abandon``). No write is re-sent once it may have reached etcd.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from . import counters, etcdapi
 from .cache import CoherentCache, Ticket
-from .config import StoreConfig, seconds
+from .config import StoreConfig
 from .connection import UNSENT_ONLY, Connection
 from .counters import parse_int
 from .errors import (
     CachedStoreError,
-    EtcdError,
     InvalidInputError,
-    LeaseNotFoundError,
 )
 from .keys import REQUEST_OVERHEAD, KeySpace, int64, to_value
 
@@ -34,10 +31,10 @@ log = logging.getLogger("cachedstore.writes")
 
 
 class Versioned(NamedTuple):
-    """A key's value with etcd's metadata, as :meth:`EtcdStore.read` returns it."""
+    """A key's value with etcd's metadata, as ``store.versioned.read`` returns it."""
 
     value: bytes
-    #: The revision of the key's last modification: the token of :meth:`EtcdStore.put_if`.
+    #: The revision of the key's last modification: the token of ``versioned.put_if``.
     mod_revision: int
     #: How many times the key was put since it was created (1 after the first put).
     version: int
@@ -332,7 +329,7 @@ class Writer:
             if folded.succeeded:
                 return text, folded.header.revision
 
-    # -- versioned reads, conditional writes, leases ---------------------------------------------
+    # -- versioned reads and conditional writes ---------------------------------------------
     def read(self, name: object) -> Versioned | None:
         canonical, key = self._target(name)
         self._check_open()
@@ -375,35 +372,6 @@ class Writer:
             return False, None
         return False, Versioned(bytes(found.value), found.mod_revision, found.version,
                                 found.lease)
-
-    def grant_lease(self, ttl: float) -> int:
-        ttl_s = seconds(ttl, "ttl")
-        if ttl_s is None or not 0 < ttl_s < 2**62:
-            raise InvalidInputError(f"ttl must be a finite number of seconds > 0, got {ttl!r}")
-        self._check_open()
-        response = self._conn.call("lease_grant", etcdapi.lease_grant(math.ceil(ttl_s)),
-                                   deadline=self._conn.deadline())
-        if response.error:
-            raise EtcdError(f"etcd lease grant: {response.error}")
-        return int(response.ID)
-
-    def lease_time_to_live(self, lease: int) -> tuple[int, int] | None:
-        int64(lease, "lease", least=1)
-        self._check_open()
-        response = self._conn.call("lease_time_to_live", etcdapi.lease_time_to_live(lease),
-                                   deadline=self._conn.deadline())
-        if response.TTL < 0:  # expired, revoked or never granted
-            return None
-        return int(response.TTL), int(response.grantedTTL)
-
-    def revoke_lease(self, lease: int) -> None:
-        int64(lease, "lease", least=1)
-        self._check_open()
-        try:
-            self._conn.call("lease_revoke", etcdapi.lease_revoke(lease),
-                            deadline=self._conn.deadline())
-        except LeaseNotFoundError:
-            pass
 
 
 def _plain(value: object, what: str = "value") -> bytes:

@@ -316,7 +316,7 @@ def test_request_timeout_bounds_an_operation_on_a_silent_link(etcd: LocalEtcd,
             proxy.stall()
             started = time.monotonic()
             with pytest.raises(EtcdConnectionError):
-                store.read("k")
+                store.versioned.read("k")
             took = time.monotonic() - started
             proxy.heal()
         assert 0.9 <= took < 5.0, took

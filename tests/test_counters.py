@@ -305,10 +305,10 @@ def test_read_of_a_counter_gives_a_token_that_adds_invalidate(etcd, prefix):
     store, other = _stores(etcd, prefix, 2)
     try:
         store.add("c", 5)
-        found = store.read("c")
+        found = store.versioned.read("c")
         assert found is not None and found.value == b"5"  # folded into a plain decimal
         other.add("c", 1)
-        ok, _ = store.put_if("c", "100", mod_revision=found.mod_revision)
+        ok, _ = store.versioned.put_if("c", "100", mod_revision=found.mod_revision)
         assert not ok  # the add is not lost by a put_if on the old token
         assert store.get("c") == b"6"
     finally:

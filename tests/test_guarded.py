@@ -1,4 +1,4 @@
-"""``EtcdStore.read_many`` and ``EtcdStore.put_many_if`` (``cachedstore/guarded.py``) on a
+"""``store.versioned.read_many`` and ``put_many_if`` (``cachedstore/guarded.py``) on a
 real etcd: one revision for every key read, writes only when the guard holds, and the
 writes recorded through the coherence gate (read-your-writes with the watch held)."""
 
@@ -19,7 +19,7 @@ def test_read_many_reads_names_and_prefixes_at_one_revision(etcd, prefix):
     with open_store(etcd, prefix) as store:
         store.set("a", "1")
         store.mset({"dir/x": "2", "dir/y": "3", "dirt": "no"})
-        snap = store.read_many(["a", "missing"], ["dir/"])
+        snap = store.versioned.read_many(["a", "missing"], ["dir/"])
         assert isinstance(snap, Snapshot)
         assert list(snap.found) == ["a", "dir/x", "dir/y"]  # etcd's key order
         assert snap.found["dir/y"].value == b"3"
@@ -27,27 +27,27 @@ def test_read_many_reads_names_and_prefixes_at_one_revision(etcd, prefix):
         assert snap.found["a"].mod_revision < snap.found["dir/x"].mod_revision
         store.add("n", 5)  # a counter reads as its decimal, as read() gives it
         store.add("n", 2)
-        assert store.read_many(["n"]).found["n"].value == b"7"
+        assert store.versioned.read_many(["n"]).found["n"].value == b"7"
 
 
 def test_read_many_refuses_what_etcd_would(etcd, prefix):
     with open_store(etcd, prefix, max_txn_ops=4) as store:
         with pytest.raises(InvalidInputError, match="at least one"):
-            store.read_many()
+            store.versioned.read_many()
         with pytest.raises(InvalidInputError, match="at most 4"):
-            store.read_many([f"k{i}" for i in range(5)])
+            store.versioned.read_many([f"k{i}" for i in range(5)])
         with pytest.raises(InvalidInputError, match="reserved"):
-            store.read_many([b"\xff\xffx"])
+            store.versioned.read_many([b"\xff\xffx"])
         with pytest.raises(InvalidInputError, match="empty"):
-            store.read_many([], [""])
+            store.versioned.read_many([], [""])
 
 
 def test_put_many_if_writes_only_when_every_guard_holds(etcd, prefix):
     raw = raw_client(etcd)
     with open_store(etcd, prefix) as store:
         store.mset({"guard": "g", "old": "o"})
-        guard = store.read("guard").mod_revision
-        ok, snap = store.put_many_if({"guard": guard, "absent": 0}, {"a": "1", "b": "2"},
+        guard = store.versioned.read("guard").mod_revision
+        ok, snap = store.versioned.put_many_if({"guard": guard, "absent": 0}, {"a": "1", "b": "2"},
                                      ["old"], names=["guard"], prefixes=["a", "b", "o"])
         assert ok
         assert {n: v.value for n, v in snap.found.items()} == {"a": b"1", "b": b"2",
@@ -55,11 +55,11 @@ def test_put_many_if_writes_only_when_every_guard_holds(etcd, prefix):
         assert snap.found["a"].mod_revision == snap.revision  # read after the writes
         assert raw.get(prefix + "old")[0] is None
         # A guard that no longer holds: nothing written, the snapshot read instead.
-        ok, snap = store.put_many_if({"guard": guard, "a": 0}, {"c": "3"}, names=["c", "a"])
+        ok, snap = store.versioned.put_many_if({"guard": guard, "a": 0}, {"c": "3"}, names=["c", "a"])
         assert not ok and list(snap.found) == ["a"]
         assert raw.get(prefix + "c")[0] is None
         store.set("guard", "moved")
-        ok, _ = store.put_many_if({"guard": guard}, {"c": "3"})
+        ok, _ = store.versioned.put_many_if({"guard": guard}, {"c": "3"})
         assert not ok and raw.get(prefix + "c")[0] is None
 
 
@@ -72,7 +72,7 @@ def test_put_many_if_is_seen_at_once_by_the_same_store(etcd, prefix):
         with held_watch_apply(store) as (_gate, held, _):
             store.set("other", "x")  # the watch is held before applying this
             assert held.wait(10)
-            ok, _ = store.put_many_if({}, {"k": "new"}, ["other"])
+            ok, _ = store.versioned.put_many_if({}, {"k": "new"}, ["other"])
             assert ok
             assert store.get("k") == b"new"
             assert store.get("other", default=None) is None
@@ -81,27 +81,27 @@ def test_put_many_if_is_seen_at_once_by_the_same_store(etcd, prefix):
 def test_put_many_if_attaches_the_lease(etcd, prefix):
     raw = raw_client(etcd)
     with open_store(etcd, prefix) as store:
-        lease = store.grant_lease(30)
-        assert store.put_many_if({}, {"leased": "v"}, lease=lease)[0]
+        lease = store.leases.grant(30)
+        assert store.versioned.put_many_if({}, {"leased": "v"}, lease=lease)[0]
         assert raw.get(prefix + "leased")[1].lease_id == lease
-        store.revoke_lease(lease)
+        store.leases.revoke(lease)
         assert raw.get(prefix + "leased")[0] is None
         with pytest.raises(LeaseNotFoundError):
-            store.put_many_if({}, {"leased": "v"}, lease=lease)
+            store.versioned.put_many_if({}, {"leased": "v"}, lease=lease)
 
 
 @pytest.mark.parametrize("call, error, match", [
-    (lambda s: s.put_many_if({}, {"a": "1"}, ["a"]), InvalidInputError, "both"),
-    (lambda s: s.put_many_if({}, {"a": "1", b"a": "2"}), InvalidInputError, "twice"),
-    (lambda s: s.put_many_if({"a": -1}, {}), InvalidTypeError, "mod_revision"),
-    (lambda s: s.put_many_if({"a": True}, {}), InvalidTypeError, "mod_revision"),
-    (lambda s: s.put_many_if({}, {"a": "1"}, lease=-2), InvalidTypeError, "lease"),
-    (lambda s: s.put_many_if({}, {"a": MARK + b"1"}), InvalidInputError, "reserved"),
-    (lambda s: s.put_many_if({f"g{i}": 0 for i in range(5)}, {}), InvalidInputError,
+    (lambda s: s.versioned.put_many_if({}, {"a": "1"}, ["a"]), InvalidInputError, "both"),
+    (lambda s: s.versioned.put_many_if({}, {"a": "1", b"a": "2"}), InvalidInputError, "twice"),
+    (lambda s: s.versioned.put_many_if({"a": -1}, {}), InvalidTypeError, "mod_revision"),
+    (lambda s: s.versioned.put_many_if({"a": True}, {}), InvalidTypeError, "mod_revision"),
+    (lambda s: s.versioned.put_many_if({}, {"a": "1"}, lease=-2), InvalidTypeError, "lease"),
+    (lambda s: s.versioned.put_many_if({}, {"a": MARK + b"1"}), InvalidInputError, "reserved"),
+    (lambda s: s.versioned.put_many_if({f"g{i}": 0 for i in range(5)}, {}), InvalidInputError,
      "compares"),
-    (lambda s: s.put_many_if({}, {"a": "1", "b": "2"}, names=["c", "d", "e"]),
+    (lambda s: s.versioned.put_many_if({}, {"a": "1", "b": "2"}, names=["c", "d", "e"]),
      InvalidInputError, "at most 4"),
-    (lambda s: s.put_many_if({}, {"a": "x" * 3000}), InvalidInputError, "bytes"),
+    (lambda s: s.versioned.put_many_if({}, {"a": "x" * 3000}), InvalidInputError, "bytes"),
 ])
 def test_put_many_if_refuses_bad_input_and_writes_nothing(etcd, prefix, call, error, match):
     with open_store(etcd, prefix, max_txn_ops=4, max_request_bytes=2048) as store:
@@ -116,21 +116,21 @@ def test_put_many_if_unchanged_since_guards_prefixes_and_name_ranges(etcd, prefi
     raw = raw_client(etcd)
     with open_store(etcd, prefix) as store:
         store.mset({"d/a": "1", "d/b": "2", "d/c": "3", "e": "4"})
-        since = store.read_many(["e"]).revision
+        since = store.versioned.read_many(["e"]).revision
         store.set("d/bb", "past the range")  # after ``since``, outside ("d/a", "d/b")
         store.set("d/c", "moved")  # after ``since``, outside too
-        ok, _ = store.put_many_if({}, {"w1": "x"}, unchanged_since={("d/a", "d/b"): since})
+        ok, _ = store.versioned.put_many_if({}, {"w1": "x"}, unchanged_since={("d/a", "d/b"): since})
         assert ok
         store.set("d/b", "moved")  # the range's last name
-        ok, _ = store.put_many_if({}, {"w2": "x"}, unchanged_since={("d/a", "d/b"): since})
+        ok, _ = store.versioned.put_many_if({}, {"w2": "x"}, unchanged_since={("d/a", "d/b"): since})
         assert not ok and raw.get(prefix + "w2")[0] is None
-        ok, _ = store.put_many_if({}, {"w3": "x"}, unchanged_since={"d/": since})
+        ok, _ = store.versioned.put_many_if({}, {"w3": "x"}, unchanged_since={"d/": since})
         assert not ok and raw.get(prefix + "w3")[0] is None
-        ok, _ = store.put_many_if({}, {"w4": "x"}, unchanged_since={"e": since,
+        ok, _ = store.versioned.put_many_if({}, {"w4": "x"}, unchanged_since={"e": since,
                                                                    ("d/x", "d/z"): since})
         assert ok  # nothing under "e" nor from "d/x" to "d/z" changed
-        now = store.read_many(["e"]).revision
-        assert store.put_many_if({}, {"w5": "x"}, unchanged_since={"d/": now})[0]
+        now = store.versioned.read_many(["e"]).revision
+        assert store.versioned.put_many_if({}, {"w5": "x"}, unchanged_since={"d/": now})[0]
 
 
 @pytest.mark.parametrize("scope, error, match", [
@@ -141,20 +141,7 @@ def test_put_many_if_unchanged_since_guards_prefixes_and_name_ranges(etcd, prefi
 def test_put_many_if_refuses_a_bad_unchanged_since_scope(etcd, prefix, scope, error, match):
     with open_store(etcd, prefix) as store:
         with pytest.raises(error, match=match):
-            store.put_many_if({}, {"a": "1"}, unchanged_since={scope: 1})
+            store.versioned.put_many_if({}, {"a": "1"}, unchanged_since={scope: 1})
         with pytest.raises(InvalidTypeError, match="revision"):
-            store.put_many_if({}, {"a": "1"}, unchanged_since={"d/": -1})
+            store.versioned.put_many_if({}, {"a": "1"}, unchanged_since={"d/": -1})
         assert store.list_keys() == []
-
-
-def test_lease_time_to_live_says_what_is_left_and_refuses_what_is_not_a_lease(etcd, prefix):
-    with open_store(etcd, prefix) as store:
-        lease = store.grant_lease(30)
-        left, granted = store.lease_time_to_live(lease)
-        assert granted == 30 and 0 < left <= 30
-        store.revoke_lease(lease)
-        assert store.lease_time_to_live(lease) is None  # revoked
-        assert store.lease_time_to_live(2**63 - 1) is None  # never granted
-        for bad in (0, -1, True, 2**63, "1", 1.0):
-            with pytest.raises(InvalidTypeError, match="lease"):
-                store.lease_time_to_live(bad)

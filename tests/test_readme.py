@@ -135,6 +135,31 @@ def test_config_table_matches_storeconfig() -> None:
         "`python tests/test_readme.py --write-config-table`")
 
 
+def test_api_section_lists_every_public_member_of_etcdstore(readme_etcd: str) -> None:
+    """The README's API table names exactly the public members of a constructed store
+    (methods, properties and the component attributes), and each component's methods."""
+    from cachedstore import EtcdStore
+
+    text = README.read_text()
+    section = text[text.index("## API\n"):text.index("## Consistency guarantees")]
+    rows = [line for line in section.splitlines() if line.startswith("| ")][2:]
+    listed: set[str] = set()
+    components: dict[str, set[str]] = {}
+    for row in rows:
+        cell = row.split("|")[2]
+        for name, inner in re.findall(r"`(\w+)`(?: \(([^)]*)\))?", cell):
+            listed.add(name)
+            if inner:
+                components[name] = set(re.findall(r"`(\w+)`", inner))
+    with EtcdStore(endpoints=[readme_etcd], prefix="/readme-api/") as store:
+        public = {n for n in dir(store) if not n.startswith("_")}
+        assert listed == public, (sorted(public - listed), sorted(listed - public))
+        for name, methods in components.items():
+            component = getattr(store, name)
+            assert methods == {n for n in dir(component) if not n.startswith("_")}, name
+    assert len(public) <= 30, "one screen"
+
+
 def test_exit_codes_match_the_cli() -> None:
     from cachedstore.cli import EXIT_CODES_HELP
 

@@ -310,7 +310,7 @@ def test_a_keep_alive_rewrites_when_etcd_cannot_say_how_long_the_lease_lasts(sto
     def unanswered(lease: int) -> None:
         raise EtcdConnectionError("no answer (test)")
 
-    store.lease_time_to_live = unanswered  # type: ignore[method-assign]
+    store.leases.time_to_live = unanswered  # type: ignore[method-assign]
     assert _keep_alive(agent, node, NOW + timedelta(seconds=1))
     after = raw_client(own_etcd).get(f"{prefix}state")[1]
     assert after.mod_revision > meta.mod_revision  # rewritten rather than risked
@@ -535,7 +535,7 @@ def test_a_lease_that_aged_is_judged_by_what_etcd_says_is_left(store, own_etcd, 
 
 def test_a_backend_remembers_32_lease_expiries(store, settled):
     backend = EtcdV3RendezvousBackend(store, "hb", ttl=600)
-    leases = [store.grant_lease(900) for _ in range(40)]
+    leases = [store.leases.grant(900) for _ in range(40)]
     before = settled()
     assert not any(backend._leases.expiring(lease) for lease in leases)
     assert not any(backend._leases.expiring(lease) for lease in leases[8:])  # remembered
@@ -543,7 +543,7 @@ def test_a_backend_remembers_32_lease_expiries(store, settled):
     counts = settled().minus(before)
     assert counts.requests == {"LeaseTimeToLive": 41}
     for lease in leases:
-        store.revoke_lease(lease)
+        store.leases.revoke(lease)
 
 
 def test_a_keep_alive_on_a_replaced_rendezvous_gets_the_new_instance(store):

@@ -20,8 +20,8 @@ Keys of a run, under ``<prefix><run_id>/`` (one :class:`~cachedstore.EtcdStore` 
   it never reads the previous run's ``MASTER_ADDR``/``MASTER_PORT`` (etcd keeps the old
   instance's keys until someone deletes them: ``etcdctl del --prefix <prefix><run_id>/``).
 
-The backend uses the store's public multi-key and lease API (``read_many``,
-``put_many_if``, ``grant_lease``, ``lease_time_to_live``).
+The backend uses the store's public multi-key and lease components
+(``store.versioned.read_many``/``put_many_if``, ``store.leases.grant``/``time_to_live``).
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ class _Leases:
                 return self._lease_id
         granted = math.ceil(self._ttl * _LEASE)
         try:
-            lease = self._store.grant_lease(granted)
+            lease = self._store.leases.grant(granted)
         except CachedStoreError as exc:
             raise RendezvousConnectionError(
                 f"etcd-v3 rendezvous: granting a lease failed: {exc}") from exc
@@ -178,7 +178,7 @@ class _Leases:
         if expiry is None:
             asked = self._clock.monotonic()
             try:
-                left = self._store.lease_time_to_live(lease)
+                left = self._store.leases.time_to_live(lease)
             except CachedStoreError:
                 return True
             if left is None:
@@ -354,7 +354,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         for attempt in range(3):
             prefixes = [heartbeats.directory(guess)] if guess is not None else []
             try:
-                snap = self._store.read_many([STATE], prefixes)
+                snap = self._store.versioned.read_many([STATE], prefixes)
             except CachedStoreError as exc:
                 raise RendezvousConnectionError(
                     f"etcd-v3 rendezvous: reading {self.key!r} failed: {exc}") from exc
@@ -451,7 +451,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         for attempt in range(2):
             lease = self._leases.current() if puts else 0
             try:
-                ok, snap = self._store.put_many_if(expect, puts, deletes, lease=lease,
+                ok, snap = self._store.versioned.put_many_if(expect, puts, deletes, lease=lease,
                                                    names=[STATE], prefixes=prefixes,
                                                    unchanged_since=quiet)
             except LeaseNotFoundError:
@@ -484,7 +484,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         beats = {n: data for n, data in puts.items() if n != STATE}
         try:
             view = self._read_view()
-            landed = self._store.read_many(list(beats)).found if beats else {}
+            landed = self._store.versioned.read_many(list(beats)).found if beats else {}
         except (RendezvousConnectionError, CachedStoreError):
             raise RendezvousConnectionError(
                 f"etcd-v3 rendezvous: writing {self.key!r} failed: {exc}") from exc
