@@ -63,7 +63,6 @@ __all__ = [
     "HitCounter",
     "NullMetrics",
     "StoreMetrics",
-    "exported_names",
     "make_metrics",
     "resolve_buckets",
 ]
@@ -76,8 +75,6 @@ FULL_BUCKETS: tuple[float, ...] = (
     1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4,
     1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )
-#: Kept for callers of the previous name: the fine layout.
-LATENCY_BUCKETS = FULL_BUCKETS
 #: The named layouts ``buckets=`` accepts.
 BUCKET_LAYOUTS: dict[str, tuple[float, ...]] = {"coarse": COARSE_BUCKETS, "full": FULL_BUCKETS}
 
@@ -482,10 +479,3 @@ def make_metrics(registry: CollectorRegistry | None, enabled: bool = True, *,
             resolve_buckets(buckets)  # bad input is reported even with metrics off
         return NullMetrics()
     return StoreMetrics(registry if registry is not None else CollectorRegistry(), buckets)
-
-
-def exported_names(registry: CollectorRegistry) -> Iterator[str]:
-    """Names of the cachedstore families present in ``registry`` (for tests and docs)."""
-    for family in registry.collect():
-        if family.name.startswith("cachedstore_"):
-            yield family.name

@@ -77,10 +77,6 @@ class ScopeOpener:
         self.after_read: Callable[[list[str]], None] | None = None
         self.fall_back: Callable[[Scope], None] = lambda scope: None
 
-    @property
-    def n_open(self) -> int:
-        return len(self._open)
-
     def ensure(self, names: Iterable[str], call_deadline: Callable[[], float]) -> set[str]:
         """Open scopes covering the canonical ``names`` that no scope covers yet. Returns
         the names this call's scopes answer: the cache now holds them (found or absent),

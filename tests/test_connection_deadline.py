@@ -13,7 +13,8 @@ from cachedstore.config import StoreConfig
 from cachedstore.connection import Connection, Credentials, parse_endpoint
 from cachedstore.etcdapi import range_key
 from cachedstore.metrics import NullMetrics
-from cachedstore.server import free_port, make_tls_files
+from cachedstore.server import free_port
+from cachedstore.testing import make_tls_files
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from benchmarks.fanout.etcd_metrics import SettledSampler, sample
-from cachedstore.server import GrpcProxy, LocalEtcd
+from cachedstore.server import LocalEtcd
+from cachedstore.testing import GrpcProxy
 from cachedstore.torch import TorchEtcdStore
 from tests.test_counters import _all_at_once
 from tests.util import eventually

@@ -14,7 +14,8 @@ import pytest
 
 from benchmarks.fanout.gateway_stream import DELETE, PUT, GatewayWatchStream, WatchResponse
 from cachedstore.errors import EtcdConnectionError
-from cachedstore.server import LocalEtcd, LocalEtcdCluster, free_port, make_tls_files
+from cachedstore.server import LocalEtcd, free_port
+from cachedstore.testing import LocalEtcdCluster, make_tls_files
 
 ROOT_PASSWORD = "gateway-root-pw"
 ALICE_PASSWORD = "gateway-alice-pw"

@@ -22,7 +22,8 @@ from cachedstore import (
     EtcdStore,
     TLSError,
 )
-from cachedstore.server import LocalEtcd, TLSFiles, make_tls_files
+from cachedstore.server import LocalEtcd, TLSFiles
+from cachedstore.testing import make_tls_files
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -1,4 +1,8 @@
-"""Tests of cachedstore.server against real etcd processes (no mocks, loopback only)."""
+"""Tests of cachedstore.server against real etcd processes (no mocks, loopback only):
+``member.py`` (LocalEtcd), ``base.py`` and ``process.py`` (its lifecycle, readiness and
+clean-up), ``binaries.py`` (finding etcd and etcdctl).
+
+The cluster and the grpc-proxy (:mod:`cachedstore.testing`) are tested in test_testing.py."""
 
 from __future__ import annotations
 
@@ -21,18 +25,16 @@ from cachedstore.server import (
     EtcdctlError,
     EtcdNotFoundError,
     EtcdStartError,
-    GrpcProxy,
     LocalEtcd,
-    LocalEtcdCluster,
     find_etcd_binary,
     free_port,
-    make_tls_files,
 )
+from cachedstore.testing import make_tls_files
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def _client(server: LocalEtcd | GrpcProxy, **kwargs: object) -> etcd3.Etcd3Client:
+def _client(server: LocalEtcd, **kwargs: object) -> etcd3.Etcd3Client:
     host, port = server.endpoint.rsplit(":", 1)
     return etcd3.client(host, int(port), **kwargs)
 
@@ -151,39 +153,6 @@ def test_atexit_kills_leftover_etcd(tmp_path: Path) -> None:
     )
     pid, root = out.stdout.split()
     assert _gone(int(pid)) and not Path(root).exists()
-
-
-def test_cluster_survives_member_loss() -> None:
-    with LocalEtcdCluster(3) as cluster:
-        assert len(cluster.endpoints) == 3 and len(set(cluster.endpoints)) == 3
-        leader = cluster.leader()
-        assert 0 <= leader < 3
-        cluster.members[leader].kill()
-        new_leader = cluster.leader(timeout=15)
-        assert new_leader != leader
-        survivor = cluster.members[(leader + 1) % 3]
-        with closing(_client(survivor, timeout=10)) as client:
-            client.put("/cluster/k", "v")
-            assert client.get("/cluster/k")[0] == b"v"
-        restarted = cluster.members[leader].restart()
-        with closing(_client(restarted, timeout=10)) as client:
-            assert client.get("/cluster/k")[0] == b"v"
-        members = json.loads(cluster.etcdctl("member", "list", "-w", "json").stdout)
-        assert len(members["members"]) == 3
-    assert all(not m.running for m in cluster.members)
-
-
-def test_grpc_proxy(etcd, prefix) -> None:
-    with GrpcProxy(etcd.endpoints) as proxy:
-        assert proxy.endpoint != etcd.endpoint
-        with closing(_client(proxy, timeout=10)) as client:
-            client.put(prefix + "via-proxy", "1")
-            assert client.get(prefix + "via-proxy")[0] == b"1"
-        with closing(_client(etcd)) as direct:
-            assert direct.get(prefix + "via-proxy")[0] == b"1"
-        assert proxy.etcd_metric("etcd_grpc_proxy_cache_keys_total") >= 0.0
-        pid = proxy.pid
-    assert pid is not None and _gone(pid)
 
 
 @pytest.mark.parametrize("client_cert_auth", [False, True], ids=["server-tls", "mutual-tls"])

@@ -23,7 +23,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRende
 from util import raw_client
 
 from cachedstore import EtcdStore
-from cachedstore.server import free_port, make_tls_files
+from cachedstore.server import free_port
+from cachedstore.testing import make_tls_files
 from cachedstore.torch import (
     EtcdV3RendezvousBackend,
     TorchEtcdStore,

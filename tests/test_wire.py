@@ -17,7 +17,8 @@ import pytest
 from etcd3 import etcdrpc
 
 from cachedstore import EtcdStore, InvalidInputError
-from cachedstore.server import LocalEtcd, make_tls_files
+from cachedstore.server import LocalEtcd
+from cachedstore.testing import make_tls_files
 from cachedstore.wire import BUSY, WINDOW, WireError, WireStub
 from tests.util import eventually, raw_client
 

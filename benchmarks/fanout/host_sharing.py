@@ -1,7 +1,7 @@
 """Goal 5, per-host sharing: N stores behind one ``etcd grpc-proxy`` vs N direct stores.
 
 :func:`measure_host_sharing` builds ``stores`` ``EtcdStore``s on one prefix through a
-:class:`cachedstore.server.GrpcProxy` and, separately, ``stores`` direct ones on another
+:class:`cachedstore.testing.GrpcProxy` and, separately, ``stores`` direct ones on another
 prefix; a raw etcd3 client writes ``writes`` keys under each prefix in turn; etcd's own
 ``/metrics`` say how many watch streams it opened and how many watch messages it sent for
 each setup. It then checks the stores saw every write (each store's ``mget`` of all keys
@@ -79,7 +79,7 @@ def measure_host_sharing(etcd_endpoint: str, metrics_url: str, *, stores: int = 
                          idle: float = 9.0) -> dict[str, Any]:
     """``{"direct": {...}, "proxy": {...}}``: etcd's streams and watch messages for
     ``stores`` stores connected directly and through one grpc-proxy."""
-    from cachedstore.server import GrpcProxy
+    from cachedstore.testing import GrpcProxy
 
     host, _, port = etcd_endpoint.rpartition(":")
     direct = _one_setup(etcd_endpoint, host, int(port), metrics_url, stores, writes, timeout,

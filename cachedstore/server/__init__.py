@@ -1,14 +1,14 @@
-"""Throw-away local etcd servers for tests, the demo CLI and benchmarks.
+"""Throw-away local etcd members for the demo, the ``cachedstore etcd`` command, tests and
+benchmarks.
 
-Three kinds of processes can be started, each owning a private temporary directory:
+:class:`LocalEtcd` is one etcd member (optionally TLS, auth, v2) owning a private temporary
+directory. What only tests and benchmarks run (a cluster of members, a grpc-proxy, making
+TLS certificates) is :mod:`cachedstore.testing`, behind the ``testing`` extra; it builds on
+this package, never the other way round.
 
-* :class:`LocalEtcd` -- one etcd member (optionally TLS, auth, v2),
-* :class:`LocalEtcdCluster` -- ``N`` members on loopback forming one cluster,
-* :class:`GrpcProxy` -- ``etcd grpc-proxy start`` in front of some endpoints.
-
-Blocking behaviour: every ``start()``/``restart()`` blocks until the process answers
-(``/health`` for etcd, a ``status()`` call for the proxy) or its ``startup_timeout``
-expires; ``stop()`` blocks up to 5 s for a graceful exit before it sends SIGKILL.
+Blocking behaviour: every ``start()``/``restart()`` blocks until etcd answers ``/health``
+or its ``startup_timeout`` expires; ``stop()`` blocks up to 5 s for a graceful exit before
+it sends SIGKILL.
 
 Cleanup contract: every process runs in its own process group and is registered in a
 module-level table. ``close()`` (also called by ``__exit__``) kills the process group and
@@ -22,34 +22,24 @@ Binaries are located by :func:`find_etcd_binary`: ``$CACHEDSTORE_ETCD`` /
 
 Modules, one concern each: ``binaries`` (finding etcd/etcdctl, running etcdctl, the
 errors), ``process`` (the child process, its process group, atexit cleanup, ports and
-URLs), ``tls`` (certificates), ``base`` (what a member and a proxy share: lifecycle,
-readiness polling, metrics), ``member`` (:class:`LocalEtcd`), ``cluster``
-(:class:`LocalEtcdCluster`) and ``proxy`` (:class:`GrpcProxy`).
+URLs), ``tls`` (:class:`TLSFiles`, the PEM files a TLS-serving member uses), ``base``
+(what every server process shares: lifecycle, readiness polling, metrics) and ``member``
+(:class:`LocalEtcd`).
 """
 
 from __future__ import annotations
 
-from .base import START_ATTEMPTS as START_ATTEMPTS
 from .binaries import EtcdctlError, EtcdNotFoundError, EtcdStartError, find_etcd_binary
-from .cluster import LocalEtcdCluster
 from .member import LocalEtcd
-from .process import DEFAULT_HOST as DEFAULT_HOST
-from .process import LOG_TAIL_LINES as LOG_TAIL_LINES
-from .process import STOP_GRACE as STOP_GRACE
 from .process import free_port
-from .proxy import GrpcProxy
-from .tls import TLSFiles, make_tls_files
+from .tls import TLSFiles
 
-# The constants above stay importable from here, as they were, without joining ``*``.
 __all__ = [
     "EtcdNotFoundError",
     "EtcdStartError",
     "EtcdctlError",
-    "GrpcProxy",
     "LocalEtcd",
-    "LocalEtcdCluster",
     "TLSFiles",
     "find_etcd_binary",
     "free_port",
-    "make_tls_files",
 ]

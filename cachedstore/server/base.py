@@ -3,9 +3,9 @@
 :class:`Startable` is the context-manager contract (``__enter__`` starts, ``__exit__``
 closes, a failed start closes too). :class:`ServerProcess` is one etcd binary run as a
 :class:`~cachedstore.server.process.ManagedProcess` in a private temporary directory; its
-subclasses (:class:`~cachedstore.server.LocalEtcd`,
-:class:`~cachedstore.server.GrpcProxy`) say only how to build the command line, how to
-probe readiness and which ports may be re-picked after a clash.
+subclasses (:class:`~cachedstore.server.LocalEtcd`, and
+:class:`~cachedstore.testing.GrpcProxy` for tests) say only how to build the command line,
+how to probe readiness and which ports may be re-picked after a clash.
 """
 
 from __future__ import annotations
@@ -107,7 +107,6 @@ class ServerProcess(Startable):
         label: str,
         tmp_prefix: str,
         log_name: str,
-        binary: str | None,
         host: str,
         tls: TLSFiles | None,
         extra_args: Iterable[str],
@@ -116,7 +115,7 @@ class ServerProcess(Startable):
         metrics_port: int | None = None,
         stop_on_close: bool = False,
     ) -> None:
-        self.binary = binary or find_etcd_binary("etcd")
+        self.binary = find_etcd_binary("etcd")
         self.host = host
         self.tls = tls
         self.extra_args = tuple(extra_args)

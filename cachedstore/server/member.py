@@ -50,8 +50,6 @@ class LocalEtcd(ServerProcess):
         startup_timeout: float = 20.0,
         env: Mapping[str, str] | None = None,
         metrics_port: int | None = None,
-        binary: str | None = None,
-        initial_cluster: str | None = None,
         initial_cluster_token: str | None = None,
     ) -> None:
         if tls is not None and tls.client_cert_auth and not (tls.client_cert and tls.client_key):
@@ -60,7 +58,6 @@ class LocalEtcd(ServerProcess):
             label=f"etcd {name}",
             tmp_prefix=f"cachedstore-etcd-{name}-",
             log_name="etcd.log",
-            binary=binary,
             host=host,
             tls=tls,
             extra_args=extra_args,
@@ -75,7 +72,7 @@ class LocalEtcd(ServerProcess):
         self.enable_v2 = enable_v2
         self.log_level = log_level
         #: ``--initial-cluster`` value; ``None`` means a one-member cluster of this member.
-        self.initial_cluster = initial_cluster
+        self.initial_cluster: str | None = None
         self.initial_cluster_token = initial_cluster_token or f"cachedstore-{uuid.uuid4().hex[:12]}"
         self._auto_ports = client_port is None, peer_port is None, metrics_port is None
         self.client_port = client_port or free_port(host)
@@ -158,11 +155,11 @@ class LocalEtcd(ServerProcess):
         cmd += list(self.extra_args)
         return cmd
 
-    def _ready_once(self, timeout: float = 1.0) -> bool:
+    def _ready_once(self) -> bool:
         """One ``GET /health`` on the client URL (using the TLS files if any)."""
         context = self.tls.ssl_context() if self.tls is not None else None
         try:
-            body = http_get(f"{self.client_url}/health", timeout=timeout, context=context)
+            body = http_get(f"{self.client_url}/health", timeout=1.0, context=context)
             return json.loads(body).get("health") == "true"
         except (OSError, http.client.HTTPException, ValueError, AttributeError):
             return False

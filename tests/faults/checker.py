@@ -631,7 +631,7 @@ def run(config: CheckerConfig, endpoint: str, workdir: str | os.PathLike[str],
     """Run one checker round against the etcd at ``endpoint`` (used by nobody else) and
     return its :class:`Report`, checked. Blocks about ``duration + settle`` plus start-up.
     ``servers``: the :class:`~cachedstore.server.LocalEtcd` behind ``endpoint``, or a
-    :class:`~cachedstore.server.LocalEtcdCluster` (its members' endpoints are used, each
+    :class:`~cachedstore.testing.LocalEtcdCluster` (its members' endpoints are used, each
     process reaching every member through proxies of its own); needed by ``kill``."""
     members = list(getattr(servers, "members", None) or ([servers] if servers else []))
     endpoints = [m.endpoint for m in members] if members else [endpoint]
@@ -1170,7 +1170,8 @@ def _check_queue(ops: dict[tuple[str, str], list[str | None]], left: list[str]
 def main(argv: list[str] | None = None) -> int:
     """``python -m faults.checker``: start a private etcd (or cluster), run, print the
     report."""
-    from cachedstore.server import LocalEtcd, LocalEtcdCluster
+    from cachedstore.server import LocalEtcd
+    from cachedstore.testing import LocalEtcdCluster
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seed", type=int, default=random.SystemRandom().randrange(10**6))

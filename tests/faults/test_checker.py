@@ -219,7 +219,7 @@ def test_short_run_kill_restart_queues_and_both_watch_scopes(
 def test_short_run_on_a_cluster_that_loses_its_leader(tmp_path: Path) -> None:
     """3 processes on a 3-member cluster, 10 s: the leader is SIGKILLed (an election) and
     restarted, besides the proxies' faults and compactions; queues and both watch scopes."""
-    from cachedstore.server import LocalEtcdCluster
+    from cachedstore.testing import LocalEtcdCluster
 
     config = CheckerConfig(seed=_seed(), processes=3, duration=10.0, kill=True, queues=True,
                            watch_scopes="mixed")

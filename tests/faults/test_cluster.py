@@ -11,7 +11,8 @@ import etcd3
 import pytest
 
 from cachedstore import EtcdStore
-from cachedstore.server import GrpcProxy, LocalEtcd, LocalEtcdCluster
+from cachedstore.server import LocalEtcd
+from cachedstore.testing import GrpcProxy, LocalEtcdCluster
 
 from . import follows_by_watch, restarts, sample, split, wait_until
 

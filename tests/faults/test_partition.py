@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from cachedstore import EtcdStore
-from cachedstore.server import LocalEtcdCluster
+from cachedstore.testing import LocalEtcdCluster
 
 from . import wait_until
 from .proxy import FaultProxy

@@ -16,7 +16,8 @@ import pytest
 import trustme
 
 from cachedstore import EtcdStore, TLSError
-from cachedstore.server import LocalEtcd, TLSFiles, make_tls_files
+from cachedstore.server import LocalEtcd, TLSFiles
+from cachedstore.testing import make_tls_files
 
 from . import follows_by_watch
 from .proxy import FaultProxy

@@ -9,11 +9,10 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 
-from .base import START_ATTEMPTS, Startable
-from .binaries import EtcdStartError, run_etcdctl
-from .member import LocalEtcd
-from .process import DEFAULT_HOST, hostport
-from .tls import TLSFiles
+from cachedstore.server import LocalEtcd, TLSFiles
+from cachedstore.server.base import START_ATTEMPTS, Startable
+from cachedstore.server.binaries import EtcdStartError, run_etcdctl
+from cachedstore.server.process import DEFAULT_HOST, hostport
 
 
 class LocalEtcdCluster(Startable):
@@ -88,10 +87,6 @@ class LocalEtcdCluster(Startable):
     def endpoints(self) -> list[str]:
         """``host:port`` of every member, in member order."""
         return [m.endpoint for m in self.members]
-
-    @property
-    def client_urls(self) -> list[str]:
-        return [m.client_url for m in self.members]
 
     def start(self) -> LocalEtcdCluster:
         """Launch all members concurrently and block until all are healthy."""

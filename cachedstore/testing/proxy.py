@@ -5,9 +5,9 @@ from __future__ import annotations
 import socket
 from collections.abc import Iterable, Mapping, Sequence
 
-from .base import ServerProcess
-from .process import DEFAULT_HOST, free_port, hostport
-from .tls import TLSFiles
+from cachedstore.server import TLSFiles
+from cachedstore.server.base import ServerProcess
+from cachedstore.server.process import DEFAULT_HOST, free_port, hostport
 
 
 class GrpcProxy(ServerProcess):
@@ -29,7 +29,6 @@ class GrpcProxy(ServerProcess):
         extra_args: Iterable[str] = (),
         startup_timeout: float = 20.0,
         env: Mapping[str, str] | None = None,
-        binary: str | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("grpc-proxy needs at least one endpoint")
@@ -37,7 +36,6 @@ class GrpcProxy(ServerProcess):
             label="etcd grpc-proxy",
             tmp_prefix="cachedstore-grpc-proxy-",
             log_name="grpc-proxy.log",
-            binary=binary,
             host=host,
             tls=tls,
             extra_args=extra_args,
