@@ -184,7 +184,14 @@ class CoherentCache:
     :meth:`begin_scope`/:meth:`open_scope` and ``locate`` finds the scope covering a name
     among them (``scoping.locate``; ``scope_key``, a name → scope key mapping, is the
     simple form of it). Without either the cache has one root scope covering every name
-    (``root``, the whole prefix's range, is what the watcher watches)."""
+    (``root``, the whole prefix's range, is what the watcher watches).
+
+    Longer than this project's classes usually are, on purpose: every coherence rule at the
+    top of this module reads and changes the same state under one lock (entries, marks,
+    records in flight, epochs, scopes, waiters), and the rules lean on each other. Split
+    into classes, each rule and the lock's invariant would be spread across them; the design
+    notes ask for the rules in one core (docs/design.md).
+    """
 
     def __init__(self, maxsize: int, metrics: StoreMetrics | NullMetrics,
                  scope_key: Callable[[str], str] | None = None,

@@ -154,6 +154,10 @@ class Connection:
 
     ``call`` sends one unary RPC, failing over between endpoints and re-authenticating as
     needed until it succeeds or its deadline passes; it raises only cachedstore errors.
+
+    Longer than this project's classes usually are: channels, endpoint failover, cluster
+    identity checks and auth tokens are the state every call reads; the retry decisions are
+    a value of their own (``retry.py``).
     """
 
     def __init__(self, endpoints: Sequence[tuple[str, int]], credentials: Credentials,

@@ -127,14 +127,15 @@ class Queues:
     scope in a store watching what it touched), ``timeout`` (the default wait of a
     blocking pop), ``check_open`` (raises once the store is closed), ``serving_live`` (True
     while the watch is up and the cache served), ``call_deadline`` (a round trip's deadline
-    within a wait's, ``ReadThrough.call_deadline``), ``clock`` (times the waits).
+    within a wait's, ``ReadThrough.call_deadline``), ``wait_until`` (the store's one wait
+    for changes, ``ReadThrough.wait_until``), ``clock`` (times the waits).
     """
 
     def __init__(self, conn: Connection, keys: KeySpace, cache: CoherentCache,
                  opener: ScopeOpener, timeout: float, check_open: Callable[[], None],
                  serving_live: Callable[[], bool],
                  call_deadline: Callable[[float | None], float],
-                 clock: Clock = SYSTEM_CLOCK) -> None:
+                 wait_until: Callable[..., None], clock: Clock = SYSTEM_CLOCK) -> None:
         self._conn = conn
         self._keys = keys
         self._cache = cache
@@ -143,6 +144,7 @@ class Queues:
         self._check_open = check_open
         self._serving_live = serving_live
         self._call_deadline = call_deadline
+        self._wait_until = wait_until
         self._clock = clock
         self._gates: dict[str, _Gate] = {}
         self._gates_lock = threading.Lock()
@@ -250,32 +252,30 @@ class Queues:
 
     def _pop_waiting(self, name: str | bytes, canonical: str, gate: _Gate, deadline: float,
                      budget: float, clock: Clock) -> bytes:
-        """A blocking pop, holding the queue's gate: woken by the watch's put of an item."""
+        """A blocking pop, holding the queue's gate: asks etcd again each time the watch
+        applies the put of an item (the store's one wait for changes)."""
         start, end = self._item_range(canonical)
-        prefix = item_prefix(canonical)
-        waiter = ThreadWaiter()
-        self._cache.add_prefix_waiter(prefix, waiter)
-        try:
-            # The waiter is woken only by a watched directory: wait for it to be opened
-            # (another reader's opening can outlast one round trip's deadline).
-            while self._cache.scoped and not self.watched():
-                self._opener.ensure_directory(RESERVED, lambda: self._call_deadline(deadline))
-                if clock.monotonic() >= deadline:
-                    raise StoreTimeoutError(
-                        f"timed out after {budget:g} s waiting for queue {name!r}")
-            while True:
-                self._check_open()
-                waiter.event.clear()
-                value, gate.guess = self._take(start, end, gate.guess)
-                if value is not None:
-                    return value
-                remaining = deadline - clock.monotonic()
-                if remaining <= 0:
-                    raise StoreTimeoutError(
-                        f"timed out after {budget:g} s waiting for queue {name!r}")
-                clock.wait(waiter.event, min(remaining, threading.TIMEOUT_MAX))
-        finally:
-            self._cache.remove_prefix_waiter(prefix, waiter)
+
+        def timed_out() -> str:
+            return f"timed out after {budget:g} s waiting for queue {name!r}"
+
+        # The waiter is woken only by a watched directory: wait for it to be opened
+        # (another reader's opening can outlast one round trip's deadline).
+        while self._cache.scoped and not self.watched():
+            self._opener.ensure_directory(RESERVED, lambda: self._call_deadline(deadline))
+            if clock.monotonic() >= deadline:
+                raise StoreTimeoutError(timed_out())
+        taken: list[bytes] = []
+
+        def take() -> bool:
+            value, gate.guess = self._take(start, end, gate.guess)
+            if value is not None:
+                taken.append(value)
+            return value is not None
+
+        self._wait_until(take, (), [item_prefix(canonical)], deadline, clock=clock,
+                         covered=self.watched, message=timed_out)
+        return taken[0]
 
     def length(self, name: str | bytes) -> int:
         """How many items queue ``name`` holds (0 if it never existed): one count-only

@@ -30,6 +30,7 @@ from .keys import KeySpace
 from .metrics import NullMetrics, StoreMetrics
 from .opener import ScopeOpener
 from .steps import NEW_WAITER, Call, Pause, Steps, drive
+from .waiters import ThreadWaiter
 
 __all__ = ["MAX_WAIT", "MISSING", "UNWATCHED_RECHECK", "ReadThrough", "Timeout", "absent",
            "describe", "names_list"]
@@ -103,6 +104,11 @@ class ReadThrough:
 
     ``after_read`` is a test hook: when set, it is called with the names of every etcd read
     after etcd answered and before the answer reaches the cache.
+
+    Longer than this project's classes usually are: every read past the hot path goes
+    through the same fill protocol, deadlines and scope opening, which its parts (misses,
+    counters, consistent reads, waits) share; the decisions of ``get``/``mget`` are written
+    once as steps (``steps.py``) for both fronts.
     """
 
     def __init__(self, conn: Connection, keys: KeySpace, cache: CoherentCache,
@@ -417,6 +423,53 @@ class ReadThrough:
             if default is MISSING:
                 raise
             return None
+
+    # -- waiting for changes ---------------------------------------------------------------
+    def wait_until(self, ready: Callable[[], bool], names: Iterable[str] = (),
+                   prefixes: Iterable[str] = (), deadline: float = 0.0, *,
+                   clock: Clock | None = None, covered: Callable[[], bool] | None = None,
+                   message: Callable[[], str] = lambda: "timed out waiting for a change"
+                   ) -> None:
+        """Block until ``ready()`` is true: asked at once, then each time the watch applies
+        (or this store writes) a change of one of the canonical ``names`` or of a key under
+        one of the canonical ``prefixes``, and at least every :data:`UNWATCHED_RECHECK`
+        while no open watch covers one of the names (or ``covered()`` says the prefixes are
+        not: the next ``ready()`` may open them). StoreTimeoutError (``message()``) once
+        ``deadline`` (a time of ``clock``, the store's by default) passed
+        with ``ready()`` false; a wait that ends at the deadline raises without asking
+        again. ``ready`` may read etcd and has to be thread-safe; the waits poll nothing.
+        Every waiter of the store that is not a read (queue pops, torch's ``wait`` of keys
+        and queues) waits through here."""
+        clock = clock or self._clock
+        cache = self._cache
+        names, prefixes = list(names), list(prefixes)
+        waiter = ThreadWaiter()
+        for name in names:  # before the first look: a change in between wakes the waiter
+            cache.add_waiter(name, waiter)
+        for prefix in prefixes:
+            cache.add_prefix_waiter(prefix, waiter)
+        try:
+            while True:
+                self._check_open()
+                waiter.event.clear()  # before asking: a change meanwhile sets it again
+                if ready():
+                    return
+                remaining = deadline - clock.monotonic()
+                if remaining <= 0:
+                    raise StoreTimeoutError(message())
+                pause = min(remaining, MAX_WAIT)
+                if cache.scoped and (not all(cache.watches(n) for n in names)
+                                     or (covered is not None and not covered())):
+                    # No open watch covers one of them (its opening gave way to another
+                    # reader's, or failed): ask again soon, which opens it.
+                    pause = min(pause, UNWATCHED_RECHECK)
+                if not clock.wait(waiter.event, pause) and pause == remaining:
+                    raise StoreTimeoutError(message())
+        finally:
+            for name in names:
+                cache.remove_waiter(name, waiter)
+            for prefix in prefixes:
+                cache.remove_prefix_waiter(prefix, waiter)
 
     # -- get / mget / check past the hot path --------------------------------------------------
     def get_steps(self, op: str, name: object, default: Any, timeout: Timeout,

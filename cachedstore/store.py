@@ -20,7 +20,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry
 from .aio import AsyncFront
 from .cache import NOT_SERVING, CoherentCache
 from .clock import SYSTEM_CLOCK, Clock
-from .config import LATENCY_SAMPLE_EVERY, LivenessPolicy, StoreConfig
+from .config import LATENCY_SAMPLE_EVERY, LivenessPolicy, StoreConfig, seconds
 from .connection import Connection, Credentials, parse_endpoint
 from .errors import (
     CachedStoreError,
@@ -44,7 +44,7 @@ from .keys import KeySpace
 from .leases import Leases
 from .metrics import make_metrics
 from .opener import ScopeOpener
-from .queues import Queues
+from .queues import Queues, item_prefix
 from .reads import MISSING, ReadThrough, Timeout, names_list
 from .scoping import locate
 from .snapshot import snapshot
@@ -124,6 +124,11 @@ class EtcdStore:
             fields of ``liveness`` (the one given, else the config's).
         config: a complete :class:`~cachedstore.StoreConfig`; keywords override it.
         clock: where time comes from (:mod:`cachedstore.clock`); tests pass a FakeClock.
+
+    Longer than this project's classes usually are: it is the documented public API (most
+    lines are the contracts in docstrings) plus the hot paths of ``get``/``aget``/``mget``,
+    inlined on purpose (a helper call would cost a tenth of a hit). The logic lives in the
+    parts it wires together.
     """
 
     def __init__(
@@ -204,7 +209,7 @@ class EtcdStore:
         #: FIFO queues (torch Store semantics): ``store.queues.push/pop/length``.
         self.queues = Queues(self._conn, self._keys, self._cache, self._opener, cfg.timeout,
                              self._check_open, lambda: self.watch_healthy,
-                             self._reads.call_deadline, clock)
+                             self._reads.call_deadline, self._reads.wait_until, clock)
         # The hot path, bound once: a hit is one lock-free lookup and one counter
         # increment, ``next()`` of an itertools.count read at scrape time (no lock).
         self._lookup = self._cache.lookup
@@ -426,6 +431,34 @@ class EtcdStore:
         names = names_list(names)
         self._mget("wait", names, MISSING, self._config.timeout if timeout is None else timeout,
                    consistent)
+
+    def wait_until(self, ready: Callable[[], bool], *, names: Iterable[Name] = (),
+                   prefixes: Iterable[Name] = (), queues: Iterable[Name] = (),
+                   timeout: Timeout = None, clock: Clock | None = None) -> None:
+        """Block until ``ready()`` returns true: asked at once, then again each time this
+        store's watch applies (or the store itself writes) a change of one of ``names``, of
+        a key whose name starts with one of ``prefixes``, or of an item of one of
+        ``queues`` -- the one wait that every waiter past ``get``/``wait`` uses (queue pops,
+        torch's ``wait`` on keys and queues). It polls nothing; while no open watch covers
+        one of ``names`` or directory scope each prefix (a store watching what it touched),
+        ``ready()`` is asked again every 0.25 s, which may open it. ``timeout`` defaults to the store's; its passing
+        raises StoreTimeoutError (a TimeoutError) without asking ``ready()`` again.
+        ``ready`` runs on the calling thread and may read the store (or etcd); exceptions
+        it raises propagate. ``clock`` times the wait (default: the store's). Thread-safe.
+        """
+        wait = seconds(self._config.timeout if timeout is None else timeout)
+        assert wait is not None
+        clock = clock or self._clock
+        keys = self._keys
+        canonical = [keys.canonical(n) for n in names_list(names)]
+        under = [keys.canonical(p) for p in names_list(prefixes, "prefixes")]
+        under += [item_prefix(keys.canonical(q)) for q in names_list(queues, "queues")]
+        opener = self._opener
+        self._reads.wait_until(
+            ready, canonical, under, clock.monotonic() + wait, clock=clock,
+            covered=lambda: all(opener.covers_directory(p) for p in under),
+            message=lambda: f"timed out after {wait:g} s waiting for a change of "
+                            f"{canonical + under!r}")
 
     def check(self, names: Iterable[Name], *, consistent: bool = False) -> bool:
         """True if every key in ``names`` exists right now (never blocks on absent keys).

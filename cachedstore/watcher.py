@@ -91,7 +91,13 @@ def one_line(exc: BaseException | None) -> str:
 class Watcher:
     """Runs the watch stream of one store on a named daemon thread. ``start`` once,
     ``stop`` once (from ``EtcdStore.close``). Thread-safe state for readers: ``up``,
-    ``ready``, ``last_contact``, ``last_error``."""
+    ``ready``, ``last_contact``, ``last_error``.
+
+    Longer than this project's classes usually are: the restart loop and the response side
+    share one stream's state (the scopes being created, the revision to resume from, whether
+    to resync); one stream's request side is ``watchstream.py``, the snapshot reads
+    ``snapshot.py``.
+    """
 
     def __init__(self, conn: Connection, keyspace: KeySpace, cache: CoherentCache,
                  config: StoreConfig, metrics: StoreMetrics | NullMetrics, name: str,

@@ -47,6 +47,10 @@ class Writer:
 
     ``after_write`` is a test hook: when set, it is called with the names of every write
     after etcd answered and before the answer reaches the cache.
+
+    Longer than this project's classes usually are: each kind of write (put, delete,
+    batches, compare-and-swap, counters and their folding, conditional writes) follows the
+    same in-flight protocol of the core, which they share here.
     """
 
     def __init__(self, conn: Connection, keys: KeySpace, cache: CoherentCache,

@@ -1,7 +1,7 @@
 """The operator CLI against real etcd: output, exit codes, one-line errors, env variables.
 
 Most commands run in-process through ``cachedstore.cli.main`` (fast); the ones whose point
-is a process boundary (``python -m cachedstore``, signals, ``cachedstore etcd``) run as
+is a process boundary (``python -m cachedstore``: ``__main__.py``; signals, ``cachedstore etcd``) run as
 subprocesses.
 """
 
@@ -23,7 +23,8 @@ import pytest
 
 from cachedstore import EtcdStore
 from cachedstore.cli import EXIT_CODES_HELP, main
-from cachedstore.server import LocalEtcd, free_port, make_tls_files
+from cachedstore.server import LocalEtcd, free_port
+from cachedstore.testing import make_tls_files
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,5 @@
-"""The coherence guarantees of docs/design.md, each against a real etcd.
+"""The coherence guarantees of docs/design.md, each against a real etcd: the core
+(``cache.py``) as the read path (``reads.py``: misses, fills, waits) and the writes feed it.
 
 The races are made deterministic with hooks: a gate in front of the watch thread's apply or
 stream start, and a hook between "read from etcd" and "insert into the cache".

@@ -150,3 +150,34 @@ def test_wait_consistent_finds_a_key_created_before_the_call(etcd: LocalEtcd,
     with _store(etcd, prefix) as store, held_watch(store):
         writer.put(prefix + "k", "v")
         store.wait(["k"], timeout=5, consistent=True)
+
+
+def test_progress_wakes_a_waiting_read_on_each_apply_and_each_progress_response() -> None:
+    """``consistent.Progress`` (no etcd): a wait re-checks its predicate at every apply the
+    watch reports and at a progress response, and ends at its deadline on the clock."""
+    from cachedstore.clock import FakeClock
+    from cachedstore.consistent import Progress
+
+    clock = FakeClock()
+    progress = Progress(clock)
+    applied = [0]
+    checks: list[int] = []
+
+    def caught_up() -> bool:
+        checks.append(applied[0])
+        return applied[0] >= 2 or progress.revision >= 7
+
+    def watch() -> None:
+        eventually(lambda: len(checks) >= 1, what="the read's first look")
+        for _ in range(2):  # advanced() takes the lock the read waits under: none is lost
+            applied[0] += 1
+            progress.advanced()
+
+    thread = threading.Thread(target=watch)
+    thread.start()
+    assert progress.wait(caught_up, clock.monotonic() + 60) is True
+    thread.join(5)
+    assert applied[0] == 2 and checks[-1] == 2
+    progress.progressed(7)  # a progress response: the revision is a hint to stop waiting
+    assert progress.revision == 7 and progress.wait(caught_up, clock.monotonic()) is True
+    assert progress.wait(lambda: False, clock.monotonic()) is False  # deadline already due

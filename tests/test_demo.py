@@ -1,4 +1,8 @@
-"""``cachedstore demo`` end to end, its uncached contender, and its clean-up on Ctrl-C."""
+"""``cachedstore demo`` end to end, its uncached contender, and its clean-up on Ctrl-C.
+
+The demo's modules are tested through it: ``settings.py`` (its options), ``workload.py``
+and ``uncached.py`` (the two phases), ``run.py`` (the workers and their clean-up),
+``figures.py`` and ``report.py`` (what it prints and writes)."""
 
 from __future__ import annotations
 

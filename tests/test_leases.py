@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cachedstore import EtcdStore, InvalidInputError, InvalidTypeError, LeaseNotFoundError
+from cachedstore.leases import Leases
 
 
 @pytest.fixture
@@ -15,6 +16,7 @@ def store(etcd, prefix):
 
 
 def test_lease_attaches_and_revoke_deletes(store):
+    assert isinstance(store.leases, Leases)
     lease = store.leases.grant(30)
     ok, kv = store.versioned.put_if("leased", "x", mod_revision=0, lease=lease)
     assert ok and store.versioned.read("leased").lease == lease

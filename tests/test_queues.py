@@ -247,3 +247,35 @@ def test_emptiness_is_remembered_until_an_item_is_put(store, etcd, prefix):
         assert not store.queues.is_nonempty("q")
     finally:
         other.close()
+
+
+def test_wait_until_asks_again_on_each_change_of_its_names_prefixes_and_queues(etcd, prefix):
+    """``EtcdStore.wait_until``: the predicate is asked at once, then after each change the
+    watch applies to one of the names, a key under a prefix, or an item of a queue -- a
+    change elsewhere wakes nothing -- and the timeout raises StoreTimeoutError."""
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix) as store, \
+            EtcdStore(endpoints=[etcd.endpoint], prefix=prefix) as other:
+        asked: list[int] = []
+        goal = threading.Event()
+
+        def ready() -> bool:
+            asked.append(len(asked))
+            return goal.is_set()
+
+        def writes() -> None:
+            eventually(lambda: len(asked) == 1, what="the first ask")
+            other.set("unrelated", "x")  # wakes nothing
+            other.set("name", "1")
+            eventually(lambda: len(asked) == 2, what="asked after the name's put")
+            other.set("dir/a", "1")
+            eventually(lambda: len(asked) == 3, what="asked after a put under the prefix")
+            goal.set()
+            other.queues.push("q", "item")
+
+        writer = threading.Thread(target=writes)
+        writer.start()
+        store.wait_until(ready, names=["name"], prefixes=["dir/"], queues=["q"], timeout=60)
+        writer.join(10)
+        assert len(asked) == 4  # at once, name, dir/a, the queue's item
+        with pytest.raises(StoreTimeoutError, match="waiting for a change of"):
+            store.wait_until(lambda: False, names=["never"], timeout=0.2)

@@ -1,4 +1,5 @@
-"""Watching only what a store touched (``watch_scope="touched"``, ``scoping.py``), against a
+"""Watching only what a store touched (``watch_scope="touched"``: ``scoping.py``, and ``opener.py``, which opens the scopes),
+against a
 real etcd: what reaches a store (counted by etcd's ``/metrics``), the coherence of the
 scopes it opens, a write racing a scope's opening (forced by a hook, not a sleep), nested
 scopes, and the fall-back to the whole prefix.

@@ -1,7 +1,8 @@
 """The watch stream's two sides without etcd or a network, the way etcd's ``cache/`` tests
 its demux: scripted ``etcdrpc.WatchResponse`` messages fed to the watcher's response side
 (``cachedstore/watcher.py``), and the request side (``cachedstore/watchstream.py``) on a
-fake clock.
+fake clock; the snapshot reads (``snapshot.py``) that open and resync the stream, on the
+same scripted transport.
 
 The transport is plugged in through ``cachedstore.connection.STUB_FACTORIES``, as
 ``tests/sim`` does: the watcher's Connection opens its stream on :class:`_Stubs`, whose

@@ -347,6 +347,10 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
                 del self._views[next(iter(self._views))]
         return view
 
+    def _failed(self, doing: str, exc: Exception) -> RendezvousConnectionError:
+        return RendezvousConnectionError(
+            f"etcd-v3 rendezvous: {doing} {self.key!r} failed: {exc}")
+
     def _read_view(self) -> _View | None:
         """The current state and heartbeat keys: one read-only Txn (two when the instance
         changed since the last one)."""
@@ -356,8 +360,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             try:
                 snap = self._store.versioned.read_many([STATE], prefixes)
             except CachedStoreError as exc:
-                raise RendezvousConnectionError(
-                    f"etcd-v3 rendezvous: reading {self.key!r} failed: {exc}") from exc
+                raise self._failed("reading", exc) from exc
             found = snap.found.get(STATE)
             if found is None:
                 return None
@@ -463,8 +466,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             except EtcdConnectionError as exc:
                 return self._after_unknown_outcome(expect, puts, exc)
             except CachedStoreError as exc:
-                raise RendezvousConnectionError(
-                    f"etcd-v3 rendezvous: writing {self.key!r} failed: {exc}") from exc
+                raise self._failed("writing", exc) from exc
             found = snap.found.get(STATE)
             if found is None:
                 return None
@@ -486,8 +488,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             view = self._read_view()
             landed = self._store.versioned.read_many(list(beats)).found if beats else {}
         except (RendezvousConnectionError, CachedStoreError):
-            raise RendezvousConnectionError(
-                f"etcd-v3 rendezvous: writing {self.key!r} failed: {exc}") from exc
+            raise self._failed("writing", exc) from exc
         if view is None:
             return None
         if beats:

@@ -37,7 +37,6 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from .. import counters, queues
-from ..cache import ThreadWaiter
 from ..clock import SYSTEM_CLOCK, Clock
 from ..config import Backoff
 from ..errors import (
@@ -46,7 +45,6 @@ from ..errors import (
     StoreTimeoutError,
     TLSError,
 )
-from ..reads import UNWATCHED_RECHECK
 from ..scoping import Scope
 from ..store import EtcdStore
 
@@ -181,6 +179,10 @@ class TorchEtcdStore(dist.Store):
     rebuilt reading the same file or variable in the other process; one given
     ``password=`` in code refuses to be pickled (TypeError). A ``registry`` is not carried
     over.
+
+    Longer than this project's classes usually are: it is torch's whole ``Store`` API, each
+    method with torch's semantics and its error translation documented; the logic lives in
+    :class:`~cachedstore.EtcdStore` and its components.
     """
 
     def __init__(
@@ -459,41 +461,16 @@ class TorchEtcdStore(dist.Store):
             return  # every key exists: the common case, answered from the cache
         except StoreTimeoutError:
             pass
-        keys = self._etcd._keys  # noqa: SLF001 -- canonical names for the waiter tables
-        cache = self._etcd._cache  # noqa: SLF001
-        missing = list(dict.fromkeys(keys.canonical(n) for n in names))
-        clock = self._clock
-        deadline = clock.monotonic() + wait
-        while True:
-            waiter = ThreadWaiter()
-            registered = []
-            for name in missing:  # before looking: a put in between wakes the waiter
-                cache.add_waiter(name, waiter)
-                if queues_count:
-                    cache.add_prefix_waiter(queues.item_prefix(name), waiter)
-                registered.append(name)
-            try:
-                missing = [n for n in missing if not (
-                    self._present(n, opened) if queues_count else self._has_key(n))]
-                if not missing:
-                    return
-                remaining = deadline - clock.monotonic()
-                if remaining <= 0:
-                    raise StoreTimeoutError(f"waiting for {missing!r}")
-                pause = remaining
-                if cache.scoped and (
-                        not all(cache.watches(n) for n in missing)
-                        or (queues_count and not self._etcd.queues.watched())):
-                    # No open watch covers one of them (its opening gave way to another
-                    # reader's, or failed): look again soon, which opens it.
-                    pause = min(pause, UNWATCHED_RECHECK)
-                if not clock.wait(waiter.event, pause) and pause == remaining:
-                    raise StoreTimeoutError(f"waiting for {missing!r}")
-            finally:
-                for name in registered:
-                    cache.remove_waiter(name, waiter)
-                    if queues_count:
-                        cache.remove_prefix_waiter(queues.item_prefix(name), waiter)
+        missing = list(dict.fromkeys(names))
+
+        def present() -> bool:
+            nonlocal missing
+            missing = [n for n in missing if not (
+                self._present(n, opened) if queues_count else self._has_key(n))]
+            return not missing
+
+        self._etcd.wait_until(present, names=missing, queues=missing if queues_count else (),
+                              timeout=wait, clock=self._clock)
 
     def getNumKeys(self) -> int:  # noqa: N802 -- the name torch's C++ calls
         """How many keys exist under the store's prefix, queue items not counted (like
