@@ -690,22 +690,31 @@ class Sim:
             return int(self.model.revision)
         return max(scope.applied, store.created_revision)
 
+    def _held(self, store: SimStore) -> list[Op]:
+        return [o for o in self.ops.values() if o.store is store and o.held]
+
+    def _release_held(self, store: SimStore) -> None:
+        for op in self._held(store):
+            self.release(op)
+
     def close(self) -> None:
         """Close every store (through the scheduler), then forget the transport."""
         for store in self.stores:
             if store.store is None:
                 continue
-            for op in [o for o in self.ops.values() if o.store is store and o.held]:
-                self.release(op)
+            self._release_held(store)
             self.release_watcher(store)
             etcd, torch = store.store, store.torch
 
             op = self.start(store, "close", functools.partial(_close, etcd, torch))
             for _ in range(100):
-                if op.done:
+                # An operation a failed step left held asks again (each of its round trips
+                # is held) and may hold a lock close needs: let it run to its end.
+                self._release_held(store)
+                if op.done and not self._held(store):
                     break
                 self.advance(store, 10.0)
-            if not op.done:
+            if not op.done or self._held(store):
                 raise HarnessError(f"{store} did not close: {self.dump()}")
         for store in self.stores:
             connection.STUB_FACTORIES.pop(store.target, None)

@@ -40,7 +40,7 @@ from hypothesis.stateful import (
 from cachedstore.queues import item_prefix
 
 from .etcd_model import EtcdModel
-from .harness import Op, Sim, SimStore
+from .harness import HarnessError, Op, Sim, SimStore
 from .history import Record, check_history
 from .mutants import MUTANTS
 
@@ -631,6 +631,8 @@ def examples_to_failure(mutant: str | None, budget: int) -> tuple[int | None, st
         try:
             run_state_machine_as_test(StoreMachine,
                                       settings=machine_settings(budget, shrink=False))
+        except HarnessError:
+            raise  # the harness failed (a store that did not close...): not a finding
         except AssertionError as exc:
             return StoreMachine.started, (str(exc).splitlines() or [""])[0]
     return None, ""
