@@ -74,7 +74,7 @@ def make_getters(env: harness.Env, contender: str, n: int) -> list[Callable[[], 
             kwargs["metrics"] = False
         store = env.store(**kwargs)
         if "latency_sample_every=1" in contender:
-            store._sample_every = 1  # time every call (config.LATENCY_SAMPLE_EVERY: 1 in 16)
+            store._sample_every = 1  # time every call (config.LATENCY_SAMPLE_EVERY: 1 in 64)
         store.set("hot", VALUE)
         if "uncached" in contender:
             from etcd3 import etcdrpc

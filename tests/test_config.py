@@ -220,7 +220,7 @@ def test_the_liveness_times_are_given_flat_or_as_a_policy() -> None:
 def test_dropped_knobs_are_constants() -> None:
     """``keepalive_time``, ``keepalive_timeout`` and ``latency_sample_every`` are no
     settings (nothing needed to change them): module constants, refused as fields."""
-    assert (KEEPALIVE_TIME, LATENCY_SAMPLE_EVERY) == (10.0, 16)
+    assert (KEEPALIVE_TIME, LATENCY_SAMPLE_EVERY) == (10.0, 64)
     for name in ("keepalive_time", "keepalive_timeout", "latency_sample_every"):
         with pytest.raises(TypeError):
             StoreConfig(**{name: 1})
