@@ -7,9 +7,9 @@ import http.client
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 
-from cachedstore.server import LocalEtcd, TLSFiles
+from cachedstore.server import LocalEtcd
 from cachedstore.server.base import START_ATTEMPTS, Startable
 from cachedstore.server.binaries import EtcdStartError, run_etcdctl
 from cachedstore.server.process import DEFAULT_HOST, hostport
@@ -33,37 +33,18 @@ class LocalEtcdCluster(Startable):
         self,
         size: int = 3,
         *,
-        host: str = DEFAULT_HOST,
-        name_prefix: str = "node",
-        extra_args: Iterable[str] = (),
-        auth_token_ttl: int | None = None,
-        enable_v2: bool = False,
-        tls: TLSFiles | None = None,
-        log_level: str = "error",
         startup_timeout: float = 30.0,
-        env: Mapping[str, str] | None = None,
         peer_proxy: Callable[[str, str], str] | None = None,
     ) -> None:
         if size < 1:
             raise ValueError("a cluster needs at least one member")
-        self.host = host
+        self.host = DEFAULT_HOST
         self.startup_timeout = startup_timeout
-        self.tls = tls
         self._peer_proxy = peer_proxy
         token = f"cachedstore-{uuid.uuid4().hex[:12]}"
         self.members: list[LocalEtcd] = [
-            LocalEtcd(
-                host=host,
-                name=f"{name_prefix}{i}",
-                extra_args=extra_args,
-                auth_token_ttl=auth_token_ttl,
-                enable_v2=enable_v2,
-                tls=tls,
-                log_level=log_level,
-                startup_timeout=startup_timeout,
-                env=env,
-                initial_cluster_token=token,
-            )
+            LocalEtcd(name=f"node{i}", startup_timeout=startup_timeout,
+                      initial_cluster_token=token)
             for i in range(size)
         ]
         self._set_initial_cluster()
@@ -153,7 +134,7 @@ class LocalEtcdCluster(Startable):
         return run_etcdctl(
             self.endpoints,
             args,
-            tls=self.tls,
+            tls=None,
             scheme=self.members[0].scheme,
             user=user,
             password=password,
