@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
+from util import import_graph
 
 import cachedstore
 from cachedstore import errors
@@ -28,35 +28,10 @@ from cachedstore.server import EtcdStartError
 PACKAGE = Path(cachedstore.__file__).parent
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
 def _imports() -> dict[str, set[str]]:
     """Every cachedstore module → the cachedstore modules it imports, at any depth of
     the file (function-level imports count: they are imports too)."""
-    graph: dict[str, set[str]] = {}
-    for path in PACKAGE.rglob("*.py"):
-        name = _module_name(path)
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        found: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")
-                    base = base[:len(base) - node.level + 1]
-                    target = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    target = node.module or ""
-                found.add(target)
-                found.update(f"{target}.{alias.name}" for alias in node.names)
-            elif isinstance(node, ast.Import):
-                found.update(alias.name for alias in node.names)
-        graph[name] = {t for t in found if t.startswith("cachedstore")}
-    return graph
+    return import_graph(PACKAGE)
 
 
 def _imports_of(graph: dict[str, set[str]], module: str, target: str) -> bool:

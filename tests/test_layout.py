@@ -16,6 +16,7 @@ import inspect
 from pathlib import Path
 
 import pytest
+from util import import_graph, package_modules
 
 PACKAGE = Path(__file__).resolve().parent.parent / "cachedstore"
 TESTS = Path(__file__).resolve().parent
@@ -59,45 +60,11 @@ LONG_CLASS = 320
 
 
 def _modules() -> dict[str, Path]:
-    out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        out[".".join(parts)] = path
-    return out
+    return package_modules(PACKAGE)
 
 
 def _import_graph() -> dict[str, set[str]]:
-    modules = _modules()
-    graph: dict[str, set[str]] = {}
-    for name, path in modules.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        tree = ast.parse(path.read_text())
-        typing_only = {id(sub) for node in ast.walk(tree)
-                       if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-                       for sub in ast.walk(node)}
-        deps: set[str] = set()
-        for node in ast.walk(tree):
-            if id(node) in typing_only:
-                continue
-            if isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")
-                    base = base[:len(base) - node.level + 1]
-                    target = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    target = node.module or ""
-                subs = [f"{target}.{alias.name}" for alias in node.names]
-                # ``from . import x`` of submodules imports them, not the package's body
-                candidates = subs if all(s in modules for s in subs) else [target, *subs]
-            elif isinstance(node, ast.Import):
-                candidates = [alias.name for alias in node.names]
-            else:
-                continue
-            deps.update(c for c in candidates if c in modules and c != name)
-        graph[name] = deps
-    return graph
+    return import_graph(PACKAGE)
 
 
 def test_no_module_imports_one_above_it() -> None:

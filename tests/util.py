@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 import etcd3
@@ -86,3 +88,49 @@ def held_watch(store: Any) -> Iterator[threading.Event]:
     finally:
         release.set()
         cache.apply_events = original
+
+
+# -- the package's import graph (tests/test_layout.py, tests/test_console.py) -------------
+def package_modules(package: Path) -> dict[str, Path]:
+    """Dotted module name -> file, for every module under ``package`` (a directory)."""
+    out = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def import_graph(package: Path) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports: every import, function-level ones
+    included, ``if TYPE_CHECKING:`` blocks excepted; ``from . import x`` of submodules
+    counts as importing them, not the package's body."""
+    modules = package_modules(package)
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        base_package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        tree = ast.parse(path.read_text())
+        typing_only = {id(sub) for node in ast.walk(tree)
+                       if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                       for sub in ast.walk(node)}
+        deps: set[str] = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    parts = base_package.split(".")
+                    parts = parts[:len(parts) - node.level + 1]
+                    target = ".".join(parts + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                subs = [f"{target}.{alias.name}" for alias in node.names]
+                candidates = subs if all(s in modules for s in subs) else [target, *subs]
+            elif isinstance(node, ast.Import):
+                candidates = [alias.name for alias in node.names]
+            else:
+                continue
+            deps.update(c for c in candidates if c in modules and c != name)
+        graph[name] = deps
+    return graph
