@@ -129,6 +129,10 @@ class Queues:
     while the watch is up and the cache served), ``call_deadline`` (a round trip's deadline
     within a wait's, ``ReadThrough.call_deadline``), ``wait_until`` (the store's one wait
     for changes, ``ReadThrough.wait_until``), ``clock`` (times the waits).
+
+    Longer than this project's classes usually are: everything that knows the layout of the
+    queue namespace is here (push, pop and length; the emptiness remembered for torch's
+    ``check``; listing and counting keys, which leave queue items out).
     """
 
     def __init__(self, conn: Connection, keys: KeySpace, cache: CoherentCache,
@@ -273,8 +277,14 @@ class Queues:
                 taken.append(value)
             return value is not None
 
-        self._wait_until(take, (), [item_prefix(canonical)], deadline, clock=clock,
-                         covered=self.watched, message=timed_out)
+        try:
+            self._wait_until(take, (), [item_prefix(canonical)], deadline, clock=clock,
+                             covered=self.watched, message=timed_out)
+        except StoreTimeoutError:
+            # One last look at etcd at the deadline: an item etcd holds while this store's
+            # watch is behind is taken rather than timed out on.
+            if not take():
+                raise
         return taken[0]
 
     def length(self, name: str | bytes) -> int:

@@ -345,17 +345,15 @@ class ReadThrough:
 
     def resolve(self, names: Iterable[str], blocking: bool = False,
                 deadline: float | None = None, consistent: bool = False
-                ) -> tuple[dict[str, bytes | None], int]:
+                ) -> tuple[dict[str, bytes | None], set[str]]:
         """Values of canonical ``names``: served entries first, the rest read from etcd in
-        batches. Returns (name → value or None, number served from the cache).
+        batches. Returns (name → value or None, the names served from the cache).
         ``consistent``: linearizable (:meth:`consistent` decides what the cache serves)."""
         values: dict[str, bytes | None] = {}
         misses = []
-        n = 0
         names = list(names)
         fresh = self.consistent(names, deadline) if consistent else None
         for name in names:
-            n += 1
             if fresh is None:
                 entry = self.cached(name, blocking)
             else:
@@ -366,7 +364,7 @@ class ReadThrough:
                 values[name] = entry[0]
         if misses:
             values.update(self.fetch(misses, deadline))
-        return values, n - len(misses)
+        return values, set(names).difference(misses)
 
     # -- blocking ------------------------------------------------------------------------------
     def pause(self, name: str, deadline: float, timeout: Timeout,
@@ -515,8 +513,10 @@ class ReadThrough:
         deadline = self.deadline(wait)
         # In the order given (not a set's, which follows str hashes): the same call makes
         # the same requests in every process (the simulation replays exactly).
-        values, hits = yield Call(self.resolve, (dict.fromkeys(canonical.values()),
-                                                 wait is not None, deadline, consistent))
+        values, served = yield Call(self.resolve, (dict.fromkeys(canonical.values()),
+                                                   wait is not None, deadline, consistent))
+        # Per position, as the hot path counts: a name given twice is two hits or misses.
+        hits = sum(1 for i in pending if canonical[i] in served)
         self._metrics.hit[op].inc(len(names) - len(pending) + hits)
         self._metrics.miss[op].inc(len(pending) - hits)
         for i in pending:  # in order: the first absent name times out
@@ -552,7 +552,7 @@ class ReadThrough:
     def check(self, names: Iterable[object], consistent: bool = False) -> bool:
         self._check_open()
         canonical = dict.fromkeys(self._keys.canonical(n) for n in names_list(names))
-        values, hits = self.resolve(canonical, consistent=consistent)
-        self._metrics.hit["check"].inc(hits)
-        self._metrics.miss["check"].inc(len(canonical) - hits)
+        values, served = self.resolve(canonical, consistent=consistent)
+        self._metrics.hit["check"].inc(len(served))
+        self._metrics.miss["check"].inc(len(canonical) - len(served))
         return all(v is not None for v in values.values())

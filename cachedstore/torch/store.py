@@ -469,8 +469,9 @@ class TorchEtcdStore(dist.Store):
                 self._present(n, opened) if queues_count else self._has_key(n))]
             return not missing
 
+        # ``wait`` is below 0 when the deadline passed during the look above: a timeout.
         self._etcd.wait_until(present, names=missing, queues=missing if queues_count else (),
-                              timeout=wait, clock=self._clock)
+                              timeout=max(0.0, wait), clock=self._clock)
 
     def getNumKeys(self) -> int:  # noqa: N802 -- the name torch's C++ calls
         """How many keys exist under the store's prefix, queue items not counted (like
