@@ -11,7 +11,7 @@ from datetime import timedelta
 import pytest
 from util import held_watch, rpc_count, sample
 
-from cachedstore import EtcdStore, StoreTimeoutError
+from cachedstore import EtcdStore
 from cachedstore.clock import FakeClock
 
 pytestmark = pytest.mark.timeout(60)
