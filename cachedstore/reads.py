@@ -379,7 +379,14 @@ class ReadThrough:
                 + (" (etcd unreachable)" if outage is not None else "")) from outage
         if outage is not None:
             return min(remaining, OUTAGE_RECHECK)
-        if self._cache.scoped and not self._cache.watches(name):
+        return self._recheck_within(remaining, lambda: not self._cache.watches(name))
+
+    def _recheck_within(self, remaining: float, unwatched: Callable[[], bool]) -> float:
+        """How long a waiter with ``remaining`` seconds left waits for the watch before it
+        looks again: at most :data:`UNWATCHED_RECHECK` while ``unwatched()`` says no open
+        watch covers what it waits for (in a store watching what it touched; the next look
+        may open it), else until the deadline (in steps of :data:`MAX_WAIT`)."""
+        if self._cache.scoped and unwatched():
             return min(remaining, UNWATCHED_RECHECK)
         return min(remaining, MAX_WAIT)
 
@@ -455,12 +462,9 @@ class ReadThrough:
                 remaining = deadline - clock.monotonic()
                 if remaining <= 0:
                     raise StoreTimeoutError(message())
-                pause = min(remaining, MAX_WAIT)
-                if cache.scoped and (not all(cache.watches(n) for n in names)
-                                     or (covered is not None and not covered())):
-                    # No open watch covers one of them (its opening gave way to another
-                    # reader's, or failed): ask again soon, which opens it.
-                    pause = min(pause, UNWATCHED_RECHECK)
+                pause = self._recheck_within(remaining, lambda: (
+                    not all(cache.watches(n) for n in names)
+                    or (covered is not None and not covered())))
                 if not clock.wait(waiter.event, pause) and pause == remaining:
                     raise StoreTimeoutError(message())
         finally:

@@ -439,10 +439,11 @@ class EtcdStore:
         store's watch applies (or the store itself writes) a change of one of ``names``, of
         a key whose name starts with one of ``prefixes``, or of an item of one of
         ``queues`` -- the one wait that every waiter past ``get``/``wait`` uses (queue pops,
-        torch's ``wait`` on keys and queues). It polls nothing; while no open watch covers
-        one of ``names`` or directory scope each prefix (a store watching what it touched),
-        ``ready()`` is asked again every 0.25 s, which may open it. ``timeout`` defaults to the store's; its passing
-        raises StoreTimeoutError (a TimeoutError) without asking ``ready()`` again.
+        torch's ``wait`` on keys and queues). It polls nothing; in a store watching what it
+        touched, while no open watch covers one of ``names`` or no open directory scope
+        covers one of the prefixes, ``ready()`` is asked again every 0.25 s (asking may open
+        it). ``timeout`` defaults to the store's; its passing raises StoreTimeoutError (a
+        TimeoutError) without asking ``ready()`` again.
         ``ready`` runs on the calling thread and may read the store (or etcd); exceptions
         it raises propagate. ``clock`` times the wait (default: the store's). Thread-safe.
         """
