@@ -247,22 +247,22 @@ class Queues:
         clock = clock or self._clock
         deadline = clock.monotonic() + budget
         gate = self._gate(canonical)
-        if not gate.lock.acquire(timeout=max(0.0, min(budget, threading.TIMEOUT_MAX))):
-            raise StoreTimeoutError(f"timed out after {budget:g} s waiting for queue {name!r}")
-        try:
-            return self._pop_waiting(name, canonical, gate, deadline, budget, clock)
-        finally:
-            gate.lock.release()
-
-    def _pop_waiting(self, name: str | bytes, canonical: str, gate: _Gate, deadline: float,
-                     budget: float, clock: Clock) -> bytes:
-        """A blocking pop, holding the queue's gate: asks etcd again each time the watch
-        applies the put of an item (the store's one wait for changes)."""
-        start, end = self._item_range(canonical)
 
         def timed_out() -> str:
             return f"timed out after {budget:g} s waiting for queue {name!r}"
 
+        if not gate.lock.acquire(timeout=max(0.0, min(budget, threading.TIMEOUT_MAX))):
+            raise StoreTimeoutError(timed_out())
+        try:
+            return self._pop_waiting(canonical, gate, deadline, clock, timed_out)
+        finally:
+            gate.lock.release()
+
+    def _pop_waiting(self, canonical: str, gate: _Gate, deadline: float, clock: Clock,
+                     timed_out: Callable[[], str]) -> bytes:
+        """A blocking pop, holding the queue's gate: asks etcd again each time the watch
+        applies the put of an item (the store's one wait for changes)."""
+        start, end = self._item_range(canonical)
         # The waiter is woken only by a watched directory: wait for it to be opened
         # (another reader's opening can outlast one round trip's deadline).
         while self._cache.scoped and not self.watched():
@@ -270,8 +270,10 @@ class Queues:
             if clock.monotonic() >= deadline:
                 raise StoreTimeoutError(timed_out())
         taken: list[bytes] = []
+        looked = [float("-inf")]  # when the last look at etcd began
 
         def take() -> bool:
+            looked[0] = clock.monotonic()
             value, gate.guess = self._take(start, end, gate.guess)
             if value is not None:
                 taken.append(value)
@@ -281,9 +283,9 @@ class Queues:
             self._wait_until(take, (), [item_prefix(canonical)], deadline, clock=clock,
                              covered=self.watched, message=timed_out)
         except StoreTimeoutError:
-            # One last look at etcd at the deadline: an item etcd holds while this store's
-            # watch is behind is taken rather than timed out on.
-            if not take():
+            # A look at etcd at the deadline, unless the last one was: an item etcd holds
+            # while this store's watch is behind is taken rather than timed out on.
+            if looked[0] >= deadline or not take():
                 raise
         return taken[0]
 
