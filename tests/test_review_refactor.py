@@ -64,7 +64,8 @@ def test_torch_get_whose_deadline_passes_during_the_mget_raises_torchs_timeout(e
     "wait timeout"); now it is passed as ``timeout=`` to ``EtcdStore.wait_until``, whose
     ``seconds()`` refuses a negative timeout with InvalidInputError, which torch reports as
     a plain DistStoreError that is not a timeout ("timeout must be at least 0 seconds")."""
-    torch = pytest.importorskip("torch")
+    import torch
+
     from cachedstore.torch import TorchEtcdStore
 
     clock = FakeClock()
