@@ -213,6 +213,13 @@ class EtcdStore:
         # The hot path, bound once: a hit is one lock-free lookup and one counter
         # increment, ``next()`` of an itertools.count read at scrape time (no lock).
         self._lookup = self._cache.lookup
+        # The LRU's two dicts, bound once (never replaced: changed in place, under the
+        # cache's lock, see CoherentCache.lookup). The lock itself is read from the cache
+        # on each hit: a fork replaces it (_after_fork).
+        self._entries = self._cache._lru.data  # noqa: SLF001
+        self._touched = self._cache._lru.touched  # noqa: SLF001
+        # metrics=False: a hit neither counts nor samples latency (both would be no-ops).
+        self._metered = bool(metrics)
         self._hits_get = self.metrics.hit_tick("get")
         self._hits_aget = self.metrics.hit_tick("aget")
         # Latency of get/aget is observed for one call in LATENCY_SAMPLE_EVERY (hit or
@@ -348,26 +355,31 @@ class EtcdStore:
         """
         if consistent:
             return self._reads.get("get", name, default, timeout, True)
-        tick = self._tick_get - 1
-        if tick > 0:  # not sampled for latency: the hot path
+        if self._metered:
+            tick = self._tick_get - 1
+            if tick <= 0:  # one call in LATENCY_SAMPLE_EVERY, hit or miss: timed
+                return self._get_timed(name, default, timeout)
             self._tick_get = tick
-            # CoherentCache.lookup inlined (its call would be a sixth of a hit): the same
-            # reads in the same order, lock-free; the argument for that is at the lookup.
-            # A change in progress (the lock held) sends the read the locked way.
-            cache = self._cache
-            lru = cache._lru  # noqa: SLF001
-            try:
-                entry = lru.data.get(name)  # type: ignore[arg-type]
-            except TypeError:  # unhashable: the slow path says why
-                entry = None
-            if entry is not None and entry[1] >= cache.floor \
-                    and not cache._lock.locked():  # noqa: SLF001
-                value = entry[0]
-                if value.__class__ is bytes:  # not None (absent), not a counter's marker
-                    lru.touched[name] = None  # type: ignore[index]  # found: a str
-                    next(self._hits_get)
-                    return value
+        # The hot path: CoherentCache.lookup inlined (its call would be a sixth of a hit),
+        # the same reads in the same order, lock-free; the argument for that is at the
+        # lookup. A change in progress (the lock held) sends the read the locked way.
+        cache = self._cache
+        try:
+            entry = self._entries[name]  # type: ignore[index]
+        except (KeyError, TypeError):  # not cached, or unhashable (the slow path says why)
             return self._reads.get("get", name, default, timeout)
+        if entry[1] >= cache.floor and not cache._lock.locked():  # noqa: SLF001
+            value = entry[0]
+            if value.__class__ is bytes:  # not None (absent), not a counter's marker
+                self._touched[name] = None  # type: ignore[index]  # found: a str
+                if self._metered:
+                    next(self._hits_get)
+                return value
+        return self._reads.get("get", name, default, timeout)
+
+    def _get_timed(self, name: Name, default: Any, timeout: Timeout) -> Any:
+        """:meth:`get` with its latency observed (the sampled call, through the locked-path
+        lookup)."""
         self._tick_get = self._sample_every
         started = time.perf_counter()
         try:
@@ -483,23 +495,27 @@ class EtcdStore:
             return await self._async.get("aget", name, default, timeout, consistent=True)
         # The hit path below mirrors get()'s line for line on purpose: sharing it through a
         # helper would add a Python call (~70 ns, a tenth of a hit) to every cached read.
-        tick = self._tick_aget - 1
-        if tick > 0:
+        if self._metered:
+            tick = self._tick_aget - 1
+            if tick <= 0:  # sampled: timed, hit or miss
+                return await self._aget_timed(name, default, timeout)
             self._tick_aget = tick
-            cache = self._cache  # CoherentCache.lookup inlined, as in get()
-            lru = cache._lru  # noqa: SLF001
-            try:
-                entry = lru.data.get(name)  # type: ignore[arg-type]
-            except TypeError:
-                entry = None
-            if entry is not None and entry[1] >= cache.floor \
-                    and not cache._lock.locked():  # noqa: SLF001
-                value = entry[0]
-                if value.__class__ is bytes:
-                    lru.touched[name] = None  # type: ignore[index]  # found: a str
-                    next(self._hits_aget)
-                    return value
+        cache = self._cache  # CoherentCache.lookup inlined, as in get()
+        try:
+            entry = self._entries[name]  # type: ignore[index]
+        except (KeyError, TypeError):
             return await self._async.get("aget", name, default, timeout)
+        if entry[1] >= cache.floor and not cache._lock.locked():  # noqa: SLF001
+            value = entry[0]
+            if value.__class__ is bytes:
+                self._touched[name] = None  # type: ignore[index]  # found: a str
+                if self._metered:
+                    next(self._hits_aget)
+                return value
+        return await self._async.get("aget", name, default, timeout)
+
+    async def _aget_timed(self, name: Name, default: Any, timeout: Timeout) -> Any:
+        """:meth:`aget` with its latency observed (the sampled call)."""
         self._tick_aget = self._sample_every
         started = time.perf_counter()
         try:

@@ -465,3 +465,83 @@ def test_a_zero_timeout_reads_a_key_the_cache_evicted(etcd, prefix):
         assert store.mget(["k"], default=None, timeout=0) == [b"v"]
         with pytest.raises(StoreTimeoutError):
             store.get("absent", timeout=0)
+
+
+# -- the hit path (store.get/aget inline CoherentCache.lookup, lock-free) ------------------
+@pytest.mark.parametrize("metrics", [True, False])
+def test_a_hit_while_a_change_is_half_done_takes_the_locked_path(etcd, prefix, metrics):
+    """While the cache's lock is held (an apply, reset or eviction spanning several names
+    may be half done), ``get`` and ``aget`` must not answer from the entry they read
+    lock-free: they take the read-through path, which reads it again under the lock. The
+    lock is held by this thread and the reads run on another, whose read-through is
+    recorded instead of run (it would wait for the lock): deterministic."""
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, metrics=metrics) as store:
+        store.set("k", "v")
+        for _ in range(3):  # past the first (sampled, timed) call: the untimed hit path
+            assert store.get("k") == b"v"
+            assert asyncio.run(store.aget("k")) == b"v"
+        slow: list[str] = []
+
+        def read_through(op, name, *args):
+            slow.append(op)
+            return "read through"
+
+        async def front_get(op, name, *args):
+            slow.append(op)
+            return "read through"
+
+        store._reads.get = read_through
+        store._async.get = front_get
+        got: list[object] = []
+        with store._cache._lock:
+            reader = threading.Thread(target=lambda: got.extend(
+                [store.get("k"), asyncio.run(store.aget("k"))]))
+            reader.start()
+            reader.join(10)
+        assert got == ["read through", "read through"] and slow == ["get", "aget"]
+        # The lock free again: a hit, from the cache, and no read-through.
+        assert store.get("k") == b"v" and asyncio.run(store.aget("k")) == b"v"
+        assert slow == ["get", "aget"]
+
+
+@pytest.mark.parametrize("metrics", [True, False])
+def test_a_hit_below_the_floor_is_refused(etcd, prefix, metrics):
+    """An entry older than the cache's floor (a watch that went down, a reset, close) is
+    never served by the lock-free hit: the read goes through."""
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, metrics=metrics) as store:
+        store.set("k", "v")
+        for _ in range(3):
+            assert store.get("k") == b"v"
+        calls: list[str] = []
+        store._reads.get = lambda op, name, *args: calls.append(op) or "read through"
+        cache = store._cache
+        floor = cache.floor
+        cache.floor = store._entries["k"][1] + 1
+        try:
+            assert store.get("k") == "read through" and calls == ["get"]
+        finally:
+            cache.floor = floor
+
+
+def test_hits_are_counted_and_one_in_sample_every_is_timed(store):
+    """With metrics on every hit counts and one get in ``LATENCY_SAMPLE_EVERY`` (hit or
+    miss) is observed in the latency histogram; with ``metrics=False`` neither happens
+    and the hit is the same value."""
+    from cachedstore.config import LATENCY_SAMPLE_EVERY
+
+    store.set("k", "v")
+    registry = store.registry
+    assert registry is not None
+
+    def figures():
+        hits = registry.get_sample_value("cachedstore_cache_requests_total",
+                                         {"op": "get", "result": "hit"}) or 0
+        timed = registry.get_sample_value("cachedstore_request_duration_seconds_count",
+                                          {"op": "get"}) or 0
+        return hits, timed
+
+    store.get("k")
+    hits, timed = figures()
+    for _ in range(4 * LATENCY_SAMPLE_EVERY):
+        assert store.get("k") == b"v"
+    assert figures() == (hits + 4 * LATENCY_SAMPLE_EVERY, timed + 4)
