@@ -20,7 +20,7 @@ from .errors import InvalidInputError, InvalidTypeError
 from .liveness import pings_fit
 
 __all__ = ["KEEPALIVE_TIME", "KEEPALIVE_TIMEOUT", "LATENCY_SAMPLE_EVERY", "WATCH_SCOPES",
-           "WATCH_TRANSPORTS", "Backoff", "LivenessPolicy", "StoreConfig", "seconds"]
+           "UNARY_TRANSPORTS", "WATCH_TRANSPORTS", "Backoff", "LivenessPolicy", "StoreConfig", "seconds"]
 
 #: gRPC keepalive PINGs on an idle unary connection, every this many seconds (etcd refuses
 #: them more often than its ``--grpc-keepalive-min-time``, 5 s by default) ...
@@ -39,6 +39,8 @@ LATENCY_SAMPLE_EVERY = 64
 WATCH_SCOPES = ("prefix", "touched")
 #: The values of :attr:`StoreConfig.watch_transport`.
 WATCH_TRANSPORTS = ("grpc", "wire")
+#: The values of :attr:`StoreConfig.unary_transport`.
+UNARY_TRANSPORTS = ("grpc", "wire")
 
 
 def seconds(value: float | timedelta | None, what: str = "timeout", *,
@@ -320,9 +322,19 @@ class StoreConfig:
     #: grpcio's client CPU per event or less (``benchmarks/FANOUT.md``); a store then holds
     #: two connections to its endpoint. ``"grpc"``: through grpcio, like every other call
     #: (one connection; honours grpcio's proxy environment variables; no PINGs, so a quiet
-    #: store sends progress requests). Both work with TLS, auth and etcd's grpc-proxy;
-    #: unary calls always use grpcio.
+    #: store sends progress requests). Both work with TLS, auth and etcd's grpc-proxy.
+    #: (Unary calls: ``unary_transport``.)
     watch_transport: str = "wire"
+    #: How unary calls (range, txn, put, ...) reach etcd. ``"wire"``: on the caller's
+    #: thread over HTTP/2 connections of a small pool (``cachedstore/unary.py``), one
+    #: call at a time per connection, at about 0.6 of grpcio's client CPU per call
+    #: (``benchmarks/unary_cpu.py``, ``benchmarks/FANOUT.md``); a store then holds a
+    #: connection per call in flight at once (one for a single thread) besides its
+    #: watch's (one idle over 30 s is replaced, not reused). ``"grpc"``: through grpcio (one connection;
+    #: honours grpcio's proxy environment variables). Both work with TLS, auth and etcd's
+    #: grpc-proxy. A read-only Txn left to finish past its caller's wait (etcd < 3.5.5
+    #: must not see it cancelled) always runs on grpcio.
+    unary_transport: str = "wire"
     #: Retry policy of the watch stream and of connection attempts.
     backoff: Backoff = field(default_factory=Backoff)
 
@@ -344,7 +356,8 @@ class StoreConfig:
         _check_seconds(self, "max_staleness", optional=True)
         _check_number(self, "preload_limit", 0, integer=True)
         for name, allowed in (("watch_scope", WATCH_SCOPES),
-                              ("watch_transport", WATCH_TRANSPORTS)):
+                              ("watch_transport", WATCH_TRANSPORTS),
+                              ("unary_transport", UNARY_TRANSPORTS)):
             _check_type(self, name, str)
             if getattr(self, name) not in allowed:
                 raise InvalidInputError(

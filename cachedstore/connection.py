@@ -29,6 +29,7 @@ from .errors import ClusterMismatchError, EtcdError, InvalidInputError, StoreClo
 from .etcdapi import TRANSPORT_FAILURES, Failure
 from .metrics import NullMetrics, StoreMetrics
 from .retry import IDEMPOTENT, UNSENT_ONLY, Action, Retry, translate_rpc_error
+from .unary import UnaryChannel
 from .wire import WireError, WireStub
 
 log = logging.getLogger("cachedstore.connection")
@@ -133,7 +134,7 @@ class _Endpoint:
     cluster it belongs to if it does not (it is then never used again)."""
 
     __slots__ = ("target", "channel", "kv", "maintenance", "auth", "watch", "lease",
-                 "watch_stream", "checked", "foreign")
+                 "watch_stream", "grpc_kv", "unary", "checked", "foreign")
     kv: Any
     maintenance: Any
     auth: Any
@@ -141,10 +142,15 @@ class _Endpoint:
     lease: Any
     #: What the store's watch stream is opened with: ``watch`` (grpcio), or a WireStub.
     watch_stream: Any
+    #: grpcio's KV stub, whatever ``kv`` is: a read-only Txn left to finish runs on it.
+    grpc_kv: Any
 
     def __init__(self, target: str) -> None:
         self.target = target
         self.channel: grpc.Channel | None = None
+        #: With ``unary_transport="wire"``: the pool that kv, maintenance, auth and lease
+        #: call through.
+        self.unary: UnaryChannel | None = None
         self.checked = False
         self.foreign: int | None = None
 
@@ -170,7 +176,7 @@ class Connection:
         self._credentials = credentials
         self._channel_credentials = credentials.channel_credentials()
         self._ssl_context = credentials.ssl_context() \
-            if config.watch_transport == "wire" else None
+            if "wire" in (config.watch_transport, config.unary_transport) else None
         self._config = config
         self._metrics = metrics
         #: Deadlines and back-off waits (gRPC's own timeouts are real seconds).
@@ -231,6 +237,10 @@ class Connection:
                 ep.auth = etcdrpc.AuthStub(ep.channel)
                 ep.watch = etcdrpc.WatchStub(ep.channel)
                 ep.lease = etcdrpc.LeaseStub(ep.channel)
+                ep.grpc_kv = ep.kv
+                if self._config.unary_transport == "wire":
+                    _wire_stubs(ep, UnaryChannel(ep.target, self._ssl_context,
+                                                 self._attempt_timeout, self._clock.monotonic))
                 ep.watch_stream = ep.watch if self._config.watch_transport == "grpc" \
                     else WireStub(ep.target, self._ssl_context,
                                   self._attempt_timeout,
@@ -302,7 +312,7 @@ class Connection:
         its deadline (which etcd enforces on its side too: a read still running then can
         still trip the bug), and its answer is dropped. Raises grpc.RpcError
         (DEADLINE_EXCEEDED when late)."""
-        future = _rpc(ep, "txn").future(request, timeout=self._config.request_timeout,
+        future = ep.grpc_kv.Txn.future(request, timeout=self._config.request_timeout,
                                         metadata=metadata)
         try:
             return future.result(timeout=wait)
@@ -518,8 +528,9 @@ class Connection:
         with self._lock:
             self._closed = True
             channels = [ep.channel for ep in self._endpoints if ep.channel is not None]
+            channels += [ep.unary for ep in self._endpoints if ep.unary is not None]
             for ep in self._endpoints:
-                ep.channel = None
+                ep.channel = ep.unary = None
         for channel in channels:
             channel.close()
 
@@ -554,6 +565,35 @@ def _read_only(request: Any) -> bool:
         op.HasField("request_range") for op in request.failure)
 
 
+#: The unary methods of etcd's services that :func:`_wire_stubs` provides, by stub.
+_WIRE_METHODS: dict[str, tuple[str, tuple[tuple[str, Any], ...]]] = {
+    "kv": ("etcdserverpb.KV", (("Range", etcdrpc.RangeResponse), ("Txn", etcdrpc.TxnResponse),
+                               ("Put", etcdrpc.PutResponse),
+                               ("DeleteRange", etcdrpc.DeleteRangeResponse))),
+    "maintenance": ("etcdserverpb.Maintenance", (("Status", etcdrpc.StatusResponse),)),
+    "auth": ("etcdserverpb.Auth", (("Authenticate", etcdrpc.AuthenticateResponse),)),
+    "lease": ("etcdserverpb.Lease", (("LeaseGrant", etcdrpc.LeaseGrantResponse),
+                                     ("LeaseRevoke", etcdrpc.LeaseRevokeResponse),
+                                     ("LeaseTimeToLive", etcdrpc.LeaseTimeToLiveResponse))),
+}
+
+
+class _Methods:
+    """A stub of unary methods as attributes (grpcio's call signature)."""
+
+    def __init__(self, methods: dict[str, Callable[..., Any]]) -> None:
+        self.__dict__.update(methods)
+
+
+def _wire_stubs(ep: _Endpoint, channel: UnaryChannel) -> None:
+    """Route ``ep``'s unary stubs through ``channel`` (``unary_transport="wire"``)."""
+    ep.unary = channel
+    for stub, (service, methods) in _WIRE_METHODS.items():
+        setattr(ep, stub, _Methods({
+            name: channel.method(f"/{service}/{name}", response.FromString)
+            for name, response in methods}))
+
+
 def _simulated(ep: _Endpoint, factory: Callable[[str], Any]) -> None:
     """Give ``ep`` the stubs of a simulated transport (``STUB_FACTORIES``): an object with
     ``kv``, ``maintenance``, ``auth``, ``watch``, ``lease``, ``watch_stream`` and
@@ -561,6 +601,7 @@ def _simulated(ep: _Endpoint, factory: Callable[[str], Any]) -> None:
     stubs = factory(ep.target)
     ep.channel = stubs
     ep.kv, ep.maintenance, ep.auth = stubs.kv, stubs.maintenance, stubs.auth
+    ep.grpc_kv = stubs.kv
     ep.watch, ep.lease, ep.watch_stream = stubs.watch, stubs.lease, stubs.watch_stream
 
 

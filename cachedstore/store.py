@@ -114,7 +114,7 @@ class EtcdStore:
             ``prometheus_client.REGISTRY`` to use the global one.
         metrics: False to record no metrics at all.
         request_timeout, connect_timeout, max_staleness, max_txn_ops, max_request_bytes,
-        preload_limit, watch_scope, max_watches, watch_transport: see
+        preload_limit, watch_scope, max_watches, watch_transport, unary_transport: see
             :class:`~cachedstore.StoreConfig`. ``watch_scope="touched"`` makes the store
             watch only the directories (``"dir/"``) and names its reads touched: for jobs
             whose ranks each use a small part of a shared prefix (torch process groups).
@@ -159,6 +159,7 @@ class EtcdStore:
         watch_scope: str | None = None,
         max_watches: int | None = None,
         watch_transport: str | None = None,
+        unary_transport: str | None = None,
         watch_pacing: float | None = None,
         liveness: LivenessPolicy | None = None,
         config: StoreConfig | None = None,
@@ -175,7 +176,8 @@ class EtcdStore:
             max_staleness=max_staleness, max_txn_ops=max_txn_ops,
             max_request_bytes=max_request_bytes, preload_limit=preload_limit,
             watch_scope=watch_scope, max_watches=max_watches,
-            watch_transport=watch_transport, watch_pacing=watch_pacing, liveness=liveness)
+            watch_transport=watch_transport, unary_transport=unary_transport,
+            watch_pacing=watch_pacing, liveness=liveness)
         self._config = cfg
         self._clock = clock
         self._keys = KeySpace(prefix, cfg.max_request_bytes)

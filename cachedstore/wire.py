@@ -8,7 +8,8 @@ the code that applies it does. Here the consuming thread reads the socket itself
 and, the wake-up itself costing most of the rest, it can pace its reads in busy spells
 (:meth:`WireCall.pace`). ``benchmarks/FANOUT.md`` ("CPU per watch event") has one run's
 figures: a store's whole CPU per event of 130 µs here (49 µs pacing at 5 ms) against
-293 µs through grpcio. Unary calls stay on grpcio: only the watch stream is hot.
+293 µs through grpcio. Unary calls have a transport of their own on the same framing
+(:mod:`cachedstore.unary`).
 
 What it speaks, for one stream (id 1) per connection:
 

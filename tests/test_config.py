@@ -23,6 +23,7 @@ Every knob, and the test that changes it and sees the effect
 | `watch_scope` | tests/test_scoped_watch.py::test_a_store_receives_its_groups_writes_not_the_jobs |
 | `max_watches` | tests/test_scoped_watch.py::test_too_many_scopes_fall_back_to_the_whole_prefix |
 | `watch_transport` | tests/test_config.py::test_the_wire_transport_has_a_connection_of_its_own |
+| `unary_transport` | tests/test_config.py::test_the_wire_transport_has_a_connection_of_its_own |
 | `backoff` | tests/test_config.py::test_backoff_paces_the_retries |
 """
 
@@ -224,7 +225,7 @@ def test_dropped_knobs_are_constants() -> None:
     for name in ("keepalive_time", "keepalive_timeout", "latency_sample_every"):
         with pytest.raises(TypeError):
             StoreConfig(**{name: 1})
-    assert len(dataclasses.fields(StoreConfig)) == 14
+    assert len(dataclasses.fields(StoreConfig)) == 15
 
 
 @pytest.mark.parametrize("pacing", [float("inf"), 8.0, -0.001, float("nan"), "2ms"])
@@ -335,17 +336,23 @@ def test_connect_timeout_bounds_the_first_contact(etcd: LocalEtcd, prefix: str) 
     assert 0.5 <= took < 5.0, took
 
 
-@pytest.mark.parametrize(("transport", "connections"), [("wire", 2), ("grpc", 1)])
+@pytest.mark.parametrize(("watch", "unary", "connections"), [
+    ("wire", "wire", 2), ("grpc", "wire", 2), ("wire", "grpc", 2), ("grpc", "grpc", 1)])
 def test_the_wire_transport_has_a_connection_of_its_own(
-        etcd: LocalEtcd, prefix: str, transport: str, connections: int) -> None:
-    """``watch_transport="wire"``: the watch stream on a connection of its own, beside
-    grpcio's; ``"grpc"``: one connection for everything. Both deliver."""
+        etcd: LocalEtcd, prefix: str, watch: str, unary: str, connections: int) -> None:
+    """``watch_transport="wire"``: the watch stream on a connection of its own;
+    ``unary_transport="wire"``: the unary calls on a pool of their own (one connection,
+    calls made by one thread at a time); ``"grpc"`` for both: one grpcio connection for
+    everything (and the grpcio channel of a store that uses it for nothing never
+    connects). All deliver, and all read and write."""
     with FaultProxy(etcd.endpoint) as proxy, \
-            EtcdStore(endpoints=[proxy.endpoint], prefix=prefix,
-                      watch_transport=transport) as store, \
+            EtcdStore(endpoints=[proxy.endpoint], prefix=prefix, watch_transport=watch,
+                      unary_transport=unary) as store, \
             EtcdStore(endpoints=[etcd.endpoint], prefix=prefix) as writer:
         writer.set("k", "v")
         eventually(lambda: store._cache.peek("k") is not None, what="the watch event")
+        store.set("mine", "1")
+        assert store.get("mine") == b"1" and store.add("n", 1) == 1
         assert proxy.accepted == connections
 
 

@@ -1,0 +1,514 @@
+"""Unary gRPC calls without grpcio, each on the caller's thread over one HTTP/2 connection
+of a small pool: the store's range, txn, put... (``StoreConfig.unary_transport="wire"``).
+
+Why: grpcio costs ~290 µs of CPU per unary call on the machines this project is measured
+on (its completion queue, channel threads and GIL hand-offs), against ~60 µs here: one
+``sendall`` of two frames, one or two ``recv``, a protobuf decode. ``benchmarks/FANOUT.md``
+("Unary calls without grpcio") has one run's figures. The watch stream has its own
+connection (:mod:`cachedstore.wire`).
+
+What it speaks, per call: HEADERS (request metadata as literals never indexed, see
+:func:`~cachedstore.wire.header_block`, with ``grpc-timeout``) and the length-prefixed
+request in DATA frames within the server's flow-control windows; then the response's
+headers, message and trailers (or a Trailers-Only response), etcd's header blocks decoded
+by ``hpack``. Also SETTINGS (acknowledged), PING (answered), WINDOW_UPDATE both ways,
+RST_STREAM and GOAWAY. One call at a time per connection: a connection is taken from the
+pool (or opened) for a call and given back when the call ended cleanly; concurrent calls
+use different connections.
+
+Errors are :class:`~cachedstore.wire.WireError` (a ``grpc.RpcError`` with grpcio's codes and
+the details :mod:`cachedstore.etcdapi` classifies): UNAVAILABLE "failed to connect ..." for
+a connection that could not be made (the request never left: retried even when it must
+not be sent twice), UNAVAILABLE "connection ... lost" once it may have been sent,
+DEADLINE_EXCEEDED when the call's timeout passes (the connection is then closed, which
+cancels the call on etcd's side, as grpcio's RST_STREAM does), and the status of the
+trailers otherwise. A connection that etcd closed while it sat in the pool, or idle longer
+than :data:`MAX_IDLE`, is never reused.
+
+Thread-safety: :class:`UnaryChannel` may be used from any number of threads; ``close()``
+from any thread ends the calls in flight (UNAVAILABLE). After a fork the child's copy
+closes nothing it shares with the parent.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import ssl
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import unquote
+
+import grpc
+import hpack
+
+from .wire import (
+    _CODES,
+    _DATA,
+    _DEFAULT_WINDOW,
+    _END_HEADERS,
+    _END_STREAM,
+    _GOAWAY,
+    _HEADERS,
+    _HTTP_CODES,
+    _PADDED,
+    _PING,
+    _PREFACE,
+    _PRIORITY,
+    _RST_CODES,
+    _RST_STREAM,
+    _SETTINGS,
+    _WINDOW_UPDATE,
+    WINDOW,
+    WireError,
+    _frame,
+    header_block,
+)
+
+__all__ = ["MAX_IDLE", "UnaryChannel"]
+
+_ACK = 0x1
+_CONTINUATION = 9
+#: A pooled connection idle longer than this (seconds) is closed instead of reused: a
+#: long-idle connection may have been dropped by the network without a word.
+MAX_IDLE = 30.0
+#: Stream ids are odd and below 2**31: a connection is retired before it runs out.
+_LAST_STREAM = (1 << 31) - 1
+_MAX_TIMEOUT_MS = 99_999_999  # grpc-timeout has at most 8 digits
+#: A wait begun this long (seconds) after the socket's timeouts were armed re-arms them,
+#: so that no wait outlasts the call's deadline by more.
+_REARM = 0.005
+
+
+class _Http2:
+    """One HTTP/2 connection, used by one call at a time (the pool hands it out).
+
+    Longer than this project's classes usually are: it is one connection's state (windows,
+    the HPACK table, buffers, the call in progress), which the handshake, a call, the
+    frame handlers and the pool's liveness peek all read and change; split, the parts
+    would pass that state to each other (as :class:`~cachedstore.wire.WireCall` does not).
+    """
+
+    def __init__(self, address: tuple[str, int], authority: str, tls: ssl.SSLContext | None,
+                 timeout: float) -> None:
+        """Connect (TCP, TLS, and HTTP/2 up to etcd's SETTINGS) within ``timeout``
+        seconds; raises WireError UNAVAILABLE "failed to connect ..." otherwise: nothing
+        was sent that etcd could act on."""
+        self.authority = authority
+        self.pid = os.getpid()
+        self.idle_since = 0.0
+        self.reusable = True
+        self._tls = tls is not None
+        self._armed_at = float("-inf")
+        self._decoder = hpack.Decoder()
+        #: Header blocks that change no table, decoded (see _on_headers).
+        self._decoded: dict[bytes, dict[str, str]] = {}
+        self._inbuf = bytearray()
+        self._stream = -1  # the next call's stream is 1
+        self._send_window = _DEFAULT_WINDOW  # the connection's
+        self._stream_window = 0
+        self._peer_initial_window = _DEFAULT_WINDOW
+        self._max_frame = 16_384
+        self._settings_seen = False
+        self._uncredited = 0
+        #: Frames owed to etcd (PING acknowledgements), sent with the next request.
+        self._owed = b""
+        # The call in progress: its header blocks, message bytes, status.
+        self._block = b""
+        self._block_ends = False
+        self._headers_seen = False
+        self._message = bytearray()
+        self._status: tuple[grpc.StatusCode, str] | None = None
+        self.sock: socket.socket | ssl.SSLSocket
+        try:
+            self.sock = socket.create_connection(address, timeout)
+        except OSError as exc:
+            raise WireError(grpc.StatusCode.UNAVAILABLE,
+                            f"failed to connect to {authority}: {exc}") from None
+        try:
+            self._handshake(address[0], tls, time.monotonic() + timeout)
+        except BaseException as exc:
+            self.sock.close()
+            if isinstance(exc, ssl.SSLCertVerificationError):
+                hostname = "hostname verification failed: " \
+                    if "hostname" in str(exc).lower() else ""
+                raise WireError(grpc.StatusCode.UNAVAILABLE, f"failed to connect to "
+                                f"{authority}: {hostname}TLS handshake failed: {exc}") from None
+            if isinstance(exc, (OSError, WireError)):  # TLS errors, timeouts included
+                details = exc.details() if isinstance(exc, WireError) else str(exc)
+                raise WireError(grpc.StatusCode.UNAVAILABLE,
+                                f"failed to connect to {authority}: {details}") from None
+            raise
+        self.sock.settimeout(None)  # blocking; each call arms the socket's timeouts (_arm)
+
+    def _handshake(self, host: str, tls: ssl.SSLContext | None, deadline: float) -> None:
+        """TLS if asked, the client preface, and etcd's SETTINGS: a request is never sent
+        on a connection etcd has not spoken on (a port that accepts and stays silent, a
+        proxy with nothing behind it, fails here, as never sent)."""
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls is not None:
+            self.sock = tls.wrap_socket(self.sock, server_hostname=host)
+            if self.sock.selected_alpn_protocol() != "h2":
+                raise WireError(grpc.StatusCode.UNAVAILABLE,
+                                "the endpoint did not agree to HTTP/2")
+        settings = (2).to_bytes(2, "big") + (0).to_bytes(4, "big") \
+            + (4).to_bytes(2, "big") + WINDOW.to_bytes(4, "big")  # no push; our window
+        self.sock.sendall(_PREFACE + _frame(_SETTINGS, 0, 0, settings) + _frame(
+            _WINDOW_UPDATE, 0, 0, (WINDOW - _DEFAULT_WINDOW).to_bytes(4, "big")))
+        while not self._settings_seen:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("no HTTP/2 SETTINGS from the server in time")
+            self.sock.settimeout(left)
+            try:
+                data = self.sock.recv(1 << 18)
+            except TimeoutError:
+                raise TimeoutError("no HTTP/2 SETTINGS from the server in time") from None
+            if not data:
+                raise ConnectionError("closed by the server before its HTTP/2 SETTINGS")
+            self._receive(data, -1)
+        if not self.reusable:
+            raise ConnectionError("the server went away (GOAWAY) at once")
+
+    # -- a call -----------------------------------------------------------------------------
+    def call(self, headers: bytes, body: bytes, deadline: float) -> bytes:
+        """Send one request (``headers``: its header block) and return the response
+        message's bytes. Raises WireError; on any error but a status from etcd the
+        connection is left unusable (``reusable`` False)."""
+        self._stream += 2
+        stream = self._stream
+        if stream >= _LAST_STREAM - 2:
+            self.reusable = False
+        self._stream_window = self._peer_initial_window
+        self._block, self._block_ends, self._headers_seen = b"", False, False
+        self._message.clear()
+        self._status = None
+        message = b"\x00" + len(body).to_bytes(4, "big") + body
+        try:
+            self._arm(deadline)
+            out = self._owed + _frame(_HEADERS, _END_HEADERS, stream, headers)
+            self._owed = b""
+            while True:
+                room = min(self._send_window, self._stream_window, self._max_frame)
+                if len(message) <= room:
+                    self._send_window -= len(message)
+                    self._stream_window -= len(message)
+                    self.sock.sendall(out + _frame(_DATA, _END_STREAM, stream, message))
+                    break
+                if room > 0:
+                    out += _frame(_DATA, 0, stream, message[:room])
+                    message = message[room:]
+                    self._send_window -= room
+                    self._stream_window -= room
+                    continue
+                if out:
+                    self.sock.sendall(out)
+                    out = b""
+                self._read(stream, deadline)  # until a WINDOW_UPDATE (or the answer)
+                if self._status is not None:  # answered before the request was whole
+                    self.reusable = False
+                    break
+            while self._status is None:
+                self._read(stream, deadline)
+        except WireError:
+            self.reusable = False
+            raise
+        except (TimeoutError, BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            # The kernel's SO_RCVTIMEO/SO_SNDTIMEO ran out (EAGAIN), or the deadline passed.
+            self.reusable = False
+            raise WireError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        except OSError as exc:  # ssl.SSLError included; the request may have been sent
+            self.reusable = False
+            raise WireError(grpc.StatusCode.UNAVAILABLE,
+                            f"connection to {self.authority} lost: {exc}") from None
+        except Exception as exc:  # a frame or header block that does not parse
+            self.reusable = False
+            raise WireError(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}") from None
+        code, details = self._status
+        if code is not grpc.StatusCode.OK:
+            raise WireError(code, details)
+        message_bytes = bytes(self._message)
+        if len(message_bytes) < 5 or message_bytes[0] \
+                or int.from_bytes(message_bytes[1:5], "big") != len(message_bytes) - 5:
+            self.reusable = False
+            raise WireError(grpc.StatusCode.INTERNAL, "the response is not one whole message")
+        return message_bytes[5:]
+
+    def _read(self, stream: int, deadline: float) -> None:
+        """Wait for what etcd sends (up to ``deadline``, a ``time.monotonic()`` value) and
+        handle every whole frame of it."""
+        now = time.monotonic()
+        if now >= deadline:
+            raise TimeoutError
+        if self._tls or now - self._armed_at > _REARM:  # else it could overrun the deadline
+            self._arm(deadline)
+        data = self.sock.recv(1 << 18)
+        if not data:
+            raise WireError(grpc.StatusCode.UNAVAILABLE,
+                            f"connection to {self.authority} lost: closed by the server")
+        self._receive(data, stream)
+
+    def _arm(self, deadline: float) -> None:
+        """Let the socket's blocking sends and receives wait until ``deadline`` at most.
+        Plaintext: the kernel's timeouts (SO_RCVTIMEO, SO_SNDTIMEO) on a blocking socket,
+        one syscall per wait, where Python's own socket timeouts poll() before each. TLS:
+        Python's timeouts (its blocking TLS read would retry a kernel timeout forever)."""
+        now = time.monotonic()
+        left = max(0.001, deadline - now)
+        if self._tls:
+            self.sock.settimeout(left)
+            return
+        timeval = struct.pack("ll", int(left), int(left % 1 * 1e6))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+        self._armed_at = now
+
+    def _receive(self, data: bytes, stream: int) -> None:
+        buf = self._inbuf
+        buf += data
+        pos, end = 0, len(buf)
+        while end - pos >= 9:
+            length = (buf[pos] << 16) | (buf[pos + 1] << 8) | buf[pos + 2]
+            if end - pos < 9 + length:
+                break
+            kind, flags = buf[pos + 3], buf[pos + 4]
+            on = int.from_bytes(buf[pos + 5:pos + 9], "big") & 0x7FFF_FFFF
+            payload = bytes(buf[pos + 9:pos + 9 + length])
+            pos += 9 + length
+            if kind == _DATA:
+                self._on_data(on, flags, payload, stream)
+            elif kind in (_HEADERS, _CONTINUATION):
+                self._on_headers(kind, flags, payload, on == stream)
+            elif kind == _SETTINGS:
+                if not flags & _ACK:
+                    self._on_settings(payload)
+            elif kind == _PING:
+                if not flags & _ACK:  # answered with the next frames we send
+                    self._owed += _frame(_PING, _ACK, 0, payload)
+            elif kind == _WINDOW_UPDATE:
+                credit = int.from_bytes(payload[:4], "big") & 0x7FFF_FFFF
+                if on == 0:
+                    self._send_window += credit
+                elif on == stream:
+                    self._stream_window += credit
+            elif kind == _RST_STREAM and on == stream and self._status is None:
+                code = int.from_bytes(payload[:4], "big")
+                self._status = (_RST_CODES.get(code, grpc.StatusCode.INTERNAL),
+                                f"stream reset by the server (HTTP/2 error {code})")
+            elif kind == _GOAWAY:
+                self.reusable = False
+                last = int.from_bytes(payload[:4], "big") & 0x7FFF_FFFF
+                if last < stream and self._status is None:  # ours was not processed
+                    raise WireError(grpc.StatusCode.UNAVAILABLE, (
+                        f"failed to connect to {self.authority}: the server went away "
+                        f"before the request (GOAWAY, HTTP/2 error "
+                        f"{int.from_bytes(payload[4:8], 'big')})"))
+        del buf[:pos]
+
+    def _on_settings(self, payload: bytes) -> None:
+        for at in range(0, len(payload) - 5, 6):
+            ident = int.from_bytes(payload[at:at + 2], "big")
+            value = int.from_bytes(payload[at + 2:at + 6], "big")
+            if ident == 4:  # INITIAL_WINDOW_SIZE: moves an open stream's window too
+                self._stream_window += value - self._peer_initial_window
+                self._peer_initial_window = value
+            elif ident == 5:  # MAX_FRAME_SIZE
+                self._max_frame = value
+        self._settings_seen = True
+        self.sock.sendall(_frame(_SETTINGS, _ACK, 0))
+
+    def _on_data(self, on: int, flags: int, payload: bytes, stream: int) -> None:
+        self._uncredited += len(payload)
+        if self._uncredited >= WINDOW // 2:
+            credit = self._uncredited.to_bytes(4, "big")
+            self._uncredited = 0
+            self.sock.sendall(_frame(_WINDOW_UPDATE, 0, 0, credit)
+                              + _frame(_WINDOW_UPDATE, 0, on, credit))
+        if on != stream:
+            return
+        if flags & _PADDED:
+            payload = payload[1:len(payload) - payload[0]]
+        self._message += payload
+        if flags & _END_STREAM and self._status is None:
+            self._status = (grpc.StatusCode.INTERNAL, "the stream ended without a status")
+
+    def _on_headers(self, kind: int, flags: int, payload: bytes, ours: bool) -> None:
+        # Every header block is decoded, ours or not: HPACK's table is the connection's.
+        if kind == _HEADERS:
+            if flags & _PADDED:
+                payload = payload[1:len(payload) - payload[0]]
+            if flags & _PRIORITY:
+                payload = payload[5:]
+            self._block, self._block_ends = payload, bool(flags & _END_STREAM)
+        else:
+            self._block += payload
+        if not flags & _END_HEADERS:
+            return
+        block, self._block = self._block, b""
+        headers = self._decoded.get(block)
+        if headers is None:
+            headers = {bytes(k).decode("latin-1"): bytes(v).decode("latin-1")
+                       for k, v in self._decoder.decode(block, raw=True)}
+            # A block of one-byte indexed fields only (every byte has its high bit set)
+            # changes no HPACK table, so it means the same until a block that does: etcd's
+            # headers and trailers once indexed. Any other block may have moved the table.
+            if all(byte & 0x80 for byte in block):
+                if len(self._decoded) < 64:
+                    self._decoded[block] = headers
+            else:
+                self._decoded.clear()
+        if not ours or self._status is not None:
+            return
+        if not self._headers_seen:
+            self._headers_seen = True
+            status = int(headers.get(":status", "0") or 0)
+            if status != 200:
+                self._status = (_HTTP_CODES.get(status, grpc.StatusCode.UNKNOWN),
+                                f"HTTP status {status}")
+                return
+        if "grpc-status" in headers:
+            self._status = (_CODES.get(int(headers["grpc-status"]), grpc.StatusCode.UNKNOWN),
+                            unquote(headers.get("grpc-message", "")))
+        elif self._block_ends:
+            self._status = (grpc.StatusCode.INTERNAL, "the stream ended without a status")
+
+    # -- in the pool --------------------------------------------------------------------------
+    def alive(self) -> bool:
+        """Whether this idle connection may carry a call: handles what etcd sent meanwhile
+        (a GOAWAY retires it; a closed socket is dead). Does not block."""
+        sock = self.sock
+        try:
+            if self._tls:  # from a timeout (see _arm), in which Python would wait to peek
+                sock.settimeout(None)
+            # Unless TLS holds decrypted bytes, a peek at the TCP socket itself (below
+            # TLS), which does not wait: nothing (BlockingIOError), data, or its end.
+            decrypted = isinstance(sock, ssl.SSLSocket) and sock.pending() > 0
+            if not decrypted and not socket.socket.recv(
+                    sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                return False
+            sock.settimeout(0.0)  # something came: read it without waiting
+            try:
+                data = sock.recv(1 << 18)
+            finally:
+                sock.settimeout(None)  # blocking again (TLS: each wait sets its timeout)
+        except (BlockingIOError, ssl.SSLWantReadError):
+            return self.reusable
+        except (OSError, ValueError, WireError):
+            return False
+        if not data:
+            return False
+        try:
+            self._receive(data, -1)
+        except Exception:  # noqa: BLE001 -- a connection that sends garbage is not reused
+            return False
+        return self.reusable
+
+    def close(self) -> None:
+        """Close the socket; in a forked child, only our copy of it."""
+        try:
+            if self.pid == os.getpid():
+                self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+class UnaryChannel:
+    """Unary calls to one endpoint ``target`` (``host:port`` or ``[v6]:port``) over pooled
+    HTTP/2 connections; ``tls``: a client SSL context speaking h2 (None: plaintext).
+    Thread-safe; :meth:`method` returns a callable with grpcio's signature."""
+
+    def __init__(self, target: str, tls: ssl.SSLContext | None, connect_timeout: float,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        host, _, port = target.rpartition(":")
+        self._address = (host.strip("[]"), int(port))
+        self._target, self._tls = target, tls
+        self._connect_timeout = connect_timeout
+        self._monotonic = monotonic
+        self._scheme = "https" if tls is not None else "http"
+        self._lock = threading.Lock()
+        self._idle: list[_Http2] = []
+        self._open: set[_Http2] = set()
+        self._closed = False
+        #: Connections opened so far (tests count them against a proxy's accepts).
+        self.opened = 0
+        self._metadata_blocks: dict[tuple[tuple[str, str], ...], bytes] = {}
+
+    def method(self, path: str, deserialize: Callable[[bytes], Any]) -> Callable[..., Any]:
+        """``path`` (``/etcdserverpb.KV/Range``) as ``f(request, timeout=, metadata=)``,
+        which blocks up to ``timeout`` seconds and returns the decoded response."""
+        static = header_block(((":method", "POST"), (":scheme", self._scheme),
+                               (":path", path), (":authority", self._target),
+                               ("content-type", "application/grpc"), ("te", "trailers"),
+                               ("user-agent", "cachedstore-wire")))
+
+        def call(request: Any, timeout: float | None = None,
+                 metadata: tuple[tuple[str, str], ...] = ()) -> Any:
+            return deserialize(self._call(static, request.SerializeToString(), timeout,
+                                          metadata))
+        return call
+
+    def _call(self, static: bytes, body: bytes, timeout: float | None,
+              metadata: tuple[tuple[str, str], ...]) -> bytes:
+        wait = 86_400.0 if timeout is None else max(timeout, 0.0)
+        deadline = time.monotonic() + wait
+        block = self._metadata_blocks.get(metadata)
+        if block is None:
+            block = header_block((k.lower(), v) for k, v in metadata)
+            if len(self._metadata_blocks) < 16:  # a token per renewal: a few at most
+                self._metadata_blocks[metadata] = block
+        millis = min(_MAX_TIMEOUT_MS, max(1, int(wait * 1000)))
+        headers = static + block + header_block((("grpc-timeout", f"{millis}m"),))
+        conn = self._take(wait)
+        try:
+            answer = conn.call(headers, body, deadline)
+        except BaseException:
+            self._give_back(conn)
+            raise
+        self._give_back(conn)
+        return answer
+
+    def _take(self, wait: float) -> _Http2:
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise WireError(grpc.StatusCode.UNAVAILABLE, "the channel is closed")
+                conn = self._idle.pop() if self._idle else None
+            if conn is None:
+                break
+            if self._monotonic() - conn.idle_since <= MAX_IDLE and conn.alive():
+                return conn
+            self._discard(conn)
+        conn = _Http2(self._address, self._target, self._tls,
+                      max(0.001, min(self._connect_timeout, wait)))
+        with self._lock:
+            self.opened += 1
+            if not self._closed:
+                self._open.add(conn)
+                return conn
+        conn.close()
+        raise WireError(grpc.StatusCode.UNAVAILABLE, "the channel is closed")
+
+    def _give_back(self, conn: _Http2) -> None:
+        with self._lock:
+            if conn.reusable and not self._closed:
+                conn.idle_since = self._monotonic()
+                self._idle.append(conn)
+                return
+        self._discard(conn)
+
+    def _discard(self, conn: _Http2) -> None:
+        with self._lock:
+            self._open.discard(conn)
+        conn.close()
+
+    def close(self) -> None:
+        """Close every connection; calls in flight fail (UNAVAILABLE). Idempotent."""
+        with self._lock:
+            self._closed = True
+            conns, self._open, self._idle = list(self._open), set(), []
+        for conn in conns:
+            conn.close()

@@ -1,0 +1,507 @@
+"""The ``wire`` unary transport (``cachedstore/unary.py``) against a real etcd, and against
+small hand-written peers where etcd cannot be made to misbehave: calls and their errors as
+grpcio gives them, flow control both ways, the pool (one connection reused; one per
+concurrent call; a connection etcd closed, or idle too long, never reused), deadlines,
+``close`` from another thread, a fork, HPACK state across many answers."""
+
+from __future__ import annotations
+
+import os
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from etcd3 import etcdrpc
+
+from cachedstore import EtcdStore, etcdapi
+from cachedstore.etcdapi import Failure
+from cachedstore.connection import Credentials
+from cachedstore.server import LocalEtcd
+from cachedstore.testing import make_tls_files
+from cachedstore.unary import MAX_IDLE, UnaryChannel
+from cachedstore.wire import _PREFACE, WireError, _frame
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _target(server: LocalEtcd) -> str:
+    return server.endpoint.split("://")[-1]
+
+
+class _Methods:
+    def __init__(self, channel: UnaryChannel) -> None:
+        self.range = channel.method("/etcdserverpb.KV/Range", etcdrpc.RangeResponse.FromString)
+        self.put = channel.method("/etcdserverpb.KV/Put", etcdrpc.PutResponse.FromString)
+        self.txn = channel.method("/etcdserverpb.KV/Txn", etcdrpc.TxnResponse.FromString)
+
+
+def _channel(target: str, **kwargs: Any) -> tuple[UnaryChannel, _Methods]:
+    channel = UnaryChannel(target, None, 2.0, **kwargs)
+    return channel, _Methods(channel)
+
+
+def test_calls_round_trip_and_reuse_one_connection(etcd: LocalEtcd, prefix: str) -> None:
+    channel, rpc = _channel(_target(etcd))
+    try:
+        key = (prefix + "k").encode()
+        revisions = [rpc.put(etcdrpc.PutRequest(key=key, value=b"v%d" % i), timeout=5)
+                     .header.revision for i in range(20)]
+        assert revisions == sorted(revisions) and len(set(revisions)) == 20
+        got = rpc.range(etcdrpc.RangeRequest(key=key), timeout=5,
+                        metadata=(("hasleader", "true"),))
+        assert got.kvs[0].value == b"v19" and got.kvs[0].mod_revision == revisions[-1]
+        assert len(channel._open) == 1 and len(channel._idle) == 1
+    finally:
+        channel.close()
+    assert not channel._open and not channel._idle
+
+
+def test_concurrent_calls_use_a_connection_each(etcd: LocalEtcd, prefix: str) -> None:
+    channel, rpc = _channel(_target(etcd))
+    barrier = threading.Barrier(4)
+    errors: list[BaseException] = []
+
+    def work(t: int) -> None:
+        try:
+            barrier.wait(10)
+            for i in range(25):
+                key = f"{prefix}{t}/{i}".encode()
+                rpc.put(etcdrpc.PutRequest(key=key, value=key), timeout=5)
+                assert rpc.range(etcdrpc.RangeRequest(key=key), timeout=5).kvs[0].value == key
+        except BaseException as exc:  # noqa: BLE001 -- reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,), name=f"test-unary-{t}")
+               for t in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        assert 1 <= len(channel._open) <= 4
+        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+        count = rpc.range(etcdrpc.RangeRequest(key=prefix.encode(), range_end=end.encode(),
+                                               count_only=True), timeout=5).count
+        assert count == 100
+    finally:
+        channel.close()
+
+
+def test_large_requests_and_responses_respect_flow_control(etcd: LocalEtcd, prefix: str
+                                                           ) -> None:
+    """A 1 MiB value goes out in frames within etcd's 64 KiB windows (which etcd credits
+    back), and a response of 4 MiB comes in through ours."""
+    channel, rpc = _channel(_target(etcd))
+    try:
+        big = os.urandom(1 << 20)
+        for i in range(4):
+            rpc.put(etcdrpc.PutRequest(key=f"{prefix}big{i}".encode(), value=big), timeout=10)
+        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+        got = rpc.range(etcdrpc.RangeRequest(key=prefix.encode(), range_end=end.encode()),
+                        timeout=10)
+        assert [kv.value == big for kv in got.kvs] == [True] * 4
+        assert len(channel._open) == 1
+    finally:
+        channel.close()
+
+
+def test_etcd_errors_arrive_with_their_status_and_spare_the_connection(etcd: LocalEtcd,
+                                                                       prefix: str) -> None:
+    """Answers that alternate between errors of different texts and successes are each
+    decoded right: etcd indexes each new trailer text in HPACK's table, so a decoder that
+    kept an old meaning of an indexed block would read a later answer wrongly."""
+    channel, rpc = _channel(_target(etcd))
+    key = (prefix + "k").encode()
+    try:
+        head = rpc.put(etcdrpc.PutRequest(key=key, value=b"v"), timeout=5).header.revision
+        for i in range(1, 6):
+            with pytest.raises(WireError) as caught:  # a future revision: OUT_OF_RANGE
+                rpc.range(etcdrpc.RangeRequest(key=key, revision=head + 1000 * i), timeout=5)
+            assert caught.value.code() is grpc.StatusCode.OUT_OF_RANGE
+            assert "future revision" in caught.value.details()
+            ops = [etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key))] * (200 + i)
+            with pytest.raises(WireError) as caught:  # over --max-txn-ops
+                rpc.txn(etcdrpc.TxnRequest(success=ops), timeout=5)
+            assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert "too many operations" in caught.value.details()
+            assert rpc.range(etcdrpc.RangeRequest(key=key), timeout=5).kvs[0].value == b"v"
+        assert len(channel._open) == 1  # an error status leaves the connection usable
+    finally:
+        channel.close()
+
+
+def _literal(name: bytes, value: bytes) -> bytes:
+    """An HPACK literal with incremental indexing, new name: it enters the table."""
+    return b"\x40" + bytes([len(name)]) + name + bytes([len(value)]) + value
+
+
+def _requests_of(conn: socket.socket, frames: list[tuple[int, int, bytes]] | None = None
+                 ) -> Any:
+    """The stream ids of the requests a client sends on ``conn`` (after the preface), as
+    each one's last frame (DATA with END_STREAM) arrives; every frame (kind, flags,
+    payload) is appended to ``frames``."""
+    buf = b""
+    conn.settimeout(5)
+    while len(buf) < len(_PREFACE):
+        buf += conn.recv(1 << 16)
+    buf = buf[len(_PREFACE):]
+    while True:
+        while len(buf) >= 9 and len(buf) >= 9 + int.from_bytes(buf[:3], "big"):
+            length = int.from_bytes(buf[:3], "big")
+            kind, flags, stream = buf[3], buf[4], int.from_bytes(buf[5:9], "big")
+            if frames is not None:
+                frames.append((kind, flags, buf[9:9 + length]))
+            buf = buf[9 + length:]
+            if kind == 0 and flags & 1:
+                yield stream
+        chunk = conn.recv(1 << 16)
+        if not chunk:
+            return
+        buf += chunk
+
+
+def test_an_indexed_block_is_read_with_the_table_of_its_time() -> None:
+    """HPACK blocks of indexed fields only are decoded once and remembered, but only until
+    a block changes the table: here the same one-byte trailers block (index 62) first means
+    ``grpc-status: 0``, then, after a response header entered the table in front of it,
+    another header (and the call has no status)."""
+    empty = b"\x00" + (0).to_bytes(4, "big")  # a RangeResponse with nothing set
+
+    def serve(conn: socket.socket) -> None:
+        answers = [
+            # 1: content-type and grpc-status: 0 enter the table (62: grpc-status: 0).
+            (b"\x88" + _literal(b"content-type", b"application/grpc"),
+             _literal(b"grpc-status", b"0")),
+            # 2: the same, indexed only (remembered): 62 is grpc-status: 0.
+            (b"\x88\xbf", b"\xbe"),
+            # 3: x-pad: 1 enters the table at 62; 62 in the trailers now means it.
+            (b"\x88\xbf" + _literal(b"x-pad", b"1"), b"\xbe"),
+        ]
+        conn.sendall(_frame(4, 0, 0))
+        for stream, (headers, trailers) in zip(_requests_of(conn), answers, strict=False):
+            conn.sendall(_frame(1, 4, stream, headers) + _frame(0, 0, stream, empty)
+                         + _frame(1, 5, stream, trailers))
+        time.sleep(0.2)
+
+    peer = _Peer(serve)
+    channel, rpc = _channel(peer.target)
+    try:
+        rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=5)
+        rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=5)
+        with pytest.raises(WireError) as caught:
+            rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=5)
+        assert caught.value.code() is grpc.StatusCode.INTERNAL
+        assert "without a status" in caught.value.details()
+    finally:
+        channel.close()
+        peer.close()
+
+
+def test_settings_and_pings_of_the_server_are_acknowledged() -> None:
+    """etcd's SETTINGS at once, its PINGs (grpc-go sends one per request it reads, to
+    estimate the link's bandwidth) with the next frames the client sends."""
+    frames: list[tuple[int, int, bytes]] = []
+    empty = b"\x00" + (0).to_bytes(4, "big")
+
+    def serve(conn: socket.socket) -> None:
+        conn.sendall(_frame(4, 0, 0))
+        for n, stream in enumerate(_requests_of(conn, frames)):
+            conn.sendall(_frame(6, 0, 0, b"ping-%03d" % n) + _frame(1, 4, stream, b"\x88")
+                         + _frame(0, 0, stream, empty)
+                         + _frame(1, 5, stream, _literal(b"grpc-status", b"0")))
+            if n == 2:
+                break
+        time.sleep(0.2)
+
+    peer = _Peer(serve)
+    channel, rpc = _channel(peer.target)
+    try:
+        for _ in range(3):
+            rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=5)
+    finally:
+        channel.close()
+        peer.close()
+    acks = [payload for kind, flags, payload in frames if kind == 6 and flags & 1]
+    assert acks == [b"ping-000", b"ping-001"]  # the third is owed to a next call
+    assert (4, 1, b"") in frames  # SETTINGS ACK
+
+
+def test_an_unreachable_endpoint_fails_as_never_sent() -> None:
+    with socket.socket() as placeholder:
+        placeholder.bind(("127.0.0.1", 0))
+        port = placeholder.getsockname()[1]
+    channel, rpc = _channel(f"127.0.0.1:{port}")
+    try:
+        with pytest.raises(WireError) as caught:
+            rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=2)
+        assert caught.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert etcdapi.classify_rpc_error(caught.value)[0] is Failure.UNSENT
+    finally:
+        channel.close()
+
+
+class _Peer:
+    """A TCP listener that runs ``serve(conn)`` for each connection, on its own thread."""
+
+    def __init__(self, serve: Callable[[socket.socket], None]) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.target = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.accepted = 0
+        self._serve = serve
+        self._thread = threading.Thread(target=self._run, name="test-unary-peer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            with conn:
+                self._serve(conn)
+
+    def close(self) -> None:
+        self.listener.close()
+        self._thread.join(10)
+
+
+def _read_preface(conn: socket.socket) -> None:
+    data = b""
+    conn.settimeout(5)
+    while len(data) < len(_PREFACE):
+        data += conn.recv(1 << 16)
+    assert data.startswith(_PREFACE)
+
+
+def test_a_silent_peer_times_the_call_out_and_the_connection_is_dropped() -> None:
+    done = threading.Event()
+
+    def silent(conn: socket.socket) -> None:
+        _read_preface(conn)
+        conn.sendall(_frame(4, 0, 0))  # its SETTINGS, then nothing
+        done.wait(30)
+
+    peer = _Peer(silent)
+    channel, rpc = _channel(peer.target)
+    try:
+        started = time.monotonic()
+        with pytest.raises(WireError) as caught:
+            rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=0.3)
+        took = time.monotonic() - started
+        assert caught.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert etcdapi.classify_rpc_error(caught.value)[0] is Failure.TRANSPORT
+        assert 0.25 <= took < 1.5, took
+        assert not channel._open and not channel._idle  # not reused: its call may run on
+    finally:
+        done.set()
+        channel.close()
+        peer.close()
+
+
+def test_a_silent_tls_peer_times_the_call_out(tmp_path: Path) -> None:
+    """Over TLS too, the deadline holds, and a pooled TLS connection is reused: a peer that
+    answers the handshake and the first call, then stays silent."""
+    files = make_tls_files(tmp_path / "pki")
+    server_side = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_side.load_cert_chain(files.server_cert, files.server_key)
+    server_side.set_alpn_protocols(["h2"])
+    done = threading.Event()
+    empty = b"\x00" + (0).to_bytes(4, "big")
+
+    def serve(raw: socket.socket) -> None:
+        with server_side.wrap_socket(raw, server_side=True) as conn:
+            conn.sendall(_frame(4, 0, 0))
+            for stream in _requests_of(conn):  # type: ignore[arg-type]
+                conn.sendall(_frame(1, 4, stream, b"\x88") + _frame(0, 0, stream, empty)
+                             + _frame(1, 5, stream, _literal(b"grpc-status", b"0")))
+                break
+            done.wait(30)
+
+    peer = _Peer(serve)
+    client_side = Credentials(ca_cert=files.ca_cert).ssl_context()
+    channel = UnaryChannel(peer.target, client_side, 2.0)
+    rpc = _Methods(channel)
+    try:
+        rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=5)
+        (first,) = channel._open
+        started = time.monotonic()
+        with pytest.raises(WireError) as caught:
+            rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=0.3)
+        took = time.monotonic() - started
+        assert caught.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert 0.25 <= took < 1.5, took
+        assert peer.accepted == 1  # the second call ran on the first call's connection
+    finally:
+        done.set()
+        channel.close()
+        peer.close()
+
+
+def test_a_peer_that_never_speaks_http2_fails_the_call_as_never_sent() -> None:
+    """A port that accepts and says nothing (a proxy with nothing behind it): no SETTINGS
+    within the connect timeout, so the request was never sent, and a write that must not
+    run twice may still be retried elsewhere."""
+    done = threading.Event()
+
+    def mute(conn: socket.socket) -> None:
+        _read_preface(conn)
+        done.wait(30)
+
+    peer = _Peer(mute)
+    channel = UnaryChannel(peer.target, None, 0.3)
+    rpc = _Methods(channel)
+    try:
+        started = time.monotonic()
+        with pytest.raises(WireError) as caught:
+            rpc.put(etcdrpc.PutRequest(key=b"k", value=b"v"), timeout=5)
+        assert time.monotonic() - started < 2.0
+        assert caught.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert "settings" in caught.value.details().lower()
+        assert etcdapi.classify_rpc_error(caught.value)[0] is Failure.UNSENT
+        assert not channel._open
+    finally:
+        done.set()
+        channel.close()
+        peer.close()
+
+
+def test_close_from_another_thread_ends_a_blocked_call() -> None:
+    done = threading.Event()
+
+    def silent(conn: socket.socket) -> None:
+        _read_preface(conn)
+        conn.sendall(_frame(4, 0, 0))  # its SETTINGS, then nothing
+        done.wait(30)
+
+    peer = _Peer(silent)
+    channel, rpc = _channel(peer.target)
+    failed: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=60)
+        except BaseException as exc:  # noqa: BLE001 -- checked below
+            failed.append(exc)
+
+    caller = threading.Thread(target=call, name="test-unary-caller")
+    try:
+        caller.start()
+        deadline = time.monotonic() + 10
+        while not channel._open and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the call holds its connection
+        channel.close()
+        caller.join(10)
+        assert not caller.is_alive()
+        assert len(failed) == 1 and isinstance(failed[0], WireError)
+        assert failed[0].code() is grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(WireError, match="closed"):
+            rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=1)
+    finally:
+        done.set()
+        peer.close()
+
+
+def test_goaway_before_the_request_fails_it_as_never_sent() -> None:
+    """A server that says GOAWAY with a last stream id below ours did not process the
+    request: the call may be retried even where it must not run twice."""
+    def going_away(conn: socket.socket) -> None:
+        _read_preface(conn)
+        conn.sendall(_frame(4, 0, 0) + _frame(7, 0, 0, (0).to_bytes(4, "big")
+                                            + (0).to_bytes(4, "big") + b"shutting down"))
+        time.sleep(0.5)
+
+    peer = _Peer(going_away)
+    channel, rpc = _channel(peer.target)
+    try:
+        with pytest.raises(WireError) as caught:
+            rpc.put(etcdrpc.PutRequest(key=b"k", value=b"v"), timeout=5)
+        assert caught.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert etcdapi.classify_rpc_error(caught.value)[0] is Failure.UNSENT
+        assert not channel._open
+    finally:
+        channel.close()
+        peer.close()
+
+
+def test_a_connection_etcd_closed_in_the_pool_is_not_reused(
+        etcd_factory: Callable[..., LocalEtcd], prefix: str) -> None:
+    """etcd restarted while the connection sat idle: the next call notices before it sends
+    (the peek at the socket) and opens a new one: no failure, not even a retried one."""
+    server = etcd_factory()
+    channel, rpc = _channel(_target(server))
+    try:
+        rpc.put(etcdrpc.PutRequest(key=(prefix + "k").encode(), value=b"1"), timeout=5)
+        (first,) = channel._open
+        server.restart()
+        time.sleep(0.2)  # the old connection's end reaches this side
+        got = rpc.range(etcdrpc.RangeRequest(key=(prefix + "k").encode()), timeout=10)
+        assert got.kvs[0].value == b"1"
+        assert first not in channel._open and len(channel._open) == 1
+    finally:
+        channel.close()
+
+
+def test_a_connection_idle_too_long_is_not_reused(etcd: LocalEtcd, prefix: str) -> None:
+    now = [1000.0]
+    channel, rpc = _channel(_target(etcd), monotonic=lambda: now[0])
+    try:
+        rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=5)
+        (first,) = channel._open
+        now[0] += MAX_IDLE / 2
+        rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=5)
+        assert channel._open == {first}
+        now[0] += MAX_IDLE + 1
+        rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=5)
+        assert first not in channel._open and len(channel._open) == 1
+    finally:
+        channel.close()
+
+
+def test_a_forked_child_closing_its_copy_leaves_the_parents_connection(etcd: LocalEtcd
+                                                                       ) -> None:
+    channel, rpc = _channel(_target(etcd))
+    try:
+        rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=5)
+        (first,) = channel._open
+        pid = os.fork()
+        if pid == 0:  # the child: close its copy, exit without running anything else
+            try:
+                channel.close()
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=5)
+        assert channel._open == {first}  # still alive: the child shut nothing down
+    finally:
+        channel.close()
+
+
+def test_the_store_uses_it_for_every_unary_call(etcd: LocalEtcd, prefix: str) -> None:
+    """A store with ``unary_transport="wire"`` (the default) sends its reads, writes and
+    leases through its pool; with ``"grpc"`` through grpcio (the pool is never made)."""
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix) as store:
+        store.set("k", "v")
+        assert store.add("n", 2) == 2
+        lease = store.leases.grant(30)
+        assert store.leases.time_to_live(lease) is not None
+        _, ep = store._conn.endpoint()
+        assert ep.unary is not None and len(ep.unary._open) >= 1
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, unary_transport="grpc") as store:
+        assert store.get("k") == b"v"
+        _, ep = store._conn.endpoint()
+        assert ep.unary is None
+
+
+def test_an_unknown_unary_transport_is_refused() -> None:
+    from cachedstore import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match="unary_transport"):
+        EtcdStore(endpoints=["127.0.0.1:1"], unary_transport="quic")
