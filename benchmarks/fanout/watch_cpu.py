@@ -62,16 +62,18 @@ def write(t):
             if delay > 0:
                 time.sleep(delay)
         started = time.monotonic()
-        puts[t].append((started, c.put(f"{prefix}k{i}", b"w" * 64).header.revision))
+        revision = c.put(f"{prefix}k{i}", b"w" * 64).header.revision
+        puts[t].append((started, revision, time.monotonic()))
 
 writers = [threading.Thread(target=write, args=(t,)) for t in range(threads)]
 for w in writers:
     w.start()
 for w in writers:
     w.join()
-by_revision = sorted((r, s) for ps in puts for s, r in ps)
-print(json.dumps({"revision": by_revision[-1][0], "started": [s for _, s in by_revision],
-                  "revisions": [r for r, _ in by_revision]}), flush=True)
+by_revision = sorted((r, s, a) for ps in puts for s, r, a in ps)
+print(json.dumps({"revision": by_revision[-1][0], "started": [s for _, s, _ in by_revision],
+                  "acked": [a for _, _, a in by_revision],
+                  "revisions": [r for r, _, _ in by_revision]}), flush=True)
 """
 
 
@@ -164,6 +166,13 @@ def measure_watch_cpu(etcd_endpoint: str, *, events: int = 2_000, timeout: float
     if lag:
         out.update(_lags(report["started"], report["revision"], applied,
                          report.get("revisions")))
+        acked = report.get("acked")
+        if acked:  # the same, from the put's acknowledgement (what a rank told of it knows)
+            out.update({f"acked_{k}": v for k, v in _lags(
+                acked, report["revision"], applied, report.get("revisions")).items()})
+            rtts = sorted(a - s for s, a in zip(report["started"], acked, strict=True))
+            out.update({"put_p50_s": statistics.median(rtts),
+                        "put_p99_s": rtts[min(len(rtts) - 1, int(len(rtts) * 0.99))]})
     return out
 
 
@@ -259,6 +268,9 @@ def compare_pacing(etcd_endpoint: str, *, rounds: int = 3, lag_rate: float = 200
             "lag_rate_per_s": lag_rate, "lag_events": lag.get("lag_events"),
             "lag_p50_s": lag.get("lag_p50_s"), "lag_p99_s": lag.get("lag_p99_s"),
             "lag_max_s": lag.get("lag_max_s"), "lag_pacing_waits": lag["pacing_waits"],
+            "acked_lag_p50_s": lag.get("acked_lag_p50_s"),
+            "acked_lag_p99_s": lag.get("acked_lag_p99_s"),
+            "put_p50_s": lag.get("put_p50_s"), "put_p99_s": lag.get("put_p99_s"),
             "lag_cpu_per_event_s": lag["cpu_per_event_s"],
             "rounds_lag_p99_s": [r.get("lag_p99_s") for r in lag_runs[name]],
             "load_events_per_s": cpu["events_per_s"],
@@ -301,11 +313,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
-    print("| configuration | lag p50 ms | lag p99 ms | pacing waits | µs CPU per event "
-          "| events/s under load | every round (µs) |\n|---|---|---|---|---|---|---|")
+    def ms(r: dict[str, Any], key: str) -> str:
+        return "–" if r.get(key) is None else f"{r[key] * 1e3:.2f}"
+
+    print("| configuration | lag p50 ms | lag p99 ms | from the put's ack: p50, p99 ms "
+          "| put round trip: p50, p99 ms | pacing waits | µs CPU per event "
+          "| events/s under load | every round (µs) |\n|---|---|---|---|---|---|---|---|---|")
     for name, r in out.items():
         rounds_us = ", ".join(f"{x * 1e6:.0f}" for x in r["rounds_cpu_per_event_s"])
         print(f"| {name} | {r['lag_p50_s'] * 1e3:.2f} | {r['lag_p99_s'] * 1e3:.2f} | "
+              f"{ms(r, 'acked_lag_p50_s')}, {ms(r, 'acked_lag_p99_s')} | "
+              f"{ms(r, 'put_p50_s')}, {ms(r, 'put_p99_s')} | "
               f"{r['lag_pacing_waits']} / {r['load_pacing_waits']} | "
               f"**{r['cpu_per_event_s'] * 1e6:.0f}** | {r['load_events_per_s']:,.0f} | "
               f"{rounds_us} |")
