@@ -20,8 +20,8 @@ import pytest
 from etcd3 import etcdrpc
 
 from cachedstore import EtcdStore, etcdapi
-from cachedstore.etcdapi import Failure
 from cachedstore.connection import Credentials
+from cachedstore.etcdapi import Failure
 from cachedstore.server import LocalEtcd
 from cachedstore.testing import make_tls_files
 from cachedstore.unary import MAX_IDLE, UnaryChannel
