@@ -78,6 +78,8 @@ _LONGEST_PACE = 86_400.0  # epoll refuses timeouts past ~24 days (and infinity)
 #: theory) paced as often in that run, since a loaded machine bunches events beyond
 #: Poisson. At 10,000 a second every interval is busy and reads are batched as before.
 BUSY = 5
+#: ... within this many pacing intervals (a spell's rate: ``BUSY / (SPELL * interval)``).
+SPELL = 1
 #: What etcd may send ahead of our reading, per stream and for the connection (bytes).
 WINDOW = 1 << 24
 _DEFAULT_WINDOW = 65_535
@@ -240,6 +242,7 @@ class WireCall:
         self._pacing_now = False
         self._delivered = 0  # responses decoded since the last wait began
         self._busy = BUSY  # (1 paces after any read: the rule before busy spells)
+        self._spell = SPELL
         #: When each of the last ``_busy`` responses was read (the wait after it began).
         self._recent: deque[float] = deque(maxlen=self._busy)
         self.paced = 0  # pacing waits so far (tests and benchmarks count them)
@@ -412,7 +415,8 @@ class WireCall:
             recent = self._recent
             recent.extend([now] * min(delivered, self._busy))
             due = self._last_wait + self._pacing
-            if (len(recent) == self._busy and now - recent[0] < self._pacing and now < due
+            if (len(recent) == self._busy and now - recent[0] < self._pacing * self._spell
+                    and now < due
                     and not self._backlog()):
                 with self._lock:  # ordered against hurry(): one of the two sees the other
                     self._pacing_now = not self._urgent()

@@ -288,7 +288,17 @@ def test_threads_are_named_and_stop_on_close(etcd, prefix):
     store.close()
     leftover = [t for t in threading.enumerate()
                 if t.name.startswith("cachedstore-") and t.is_alive()]
-    assert leftover == []
+    assert leftover == [], _stacks(leftover)
+
+
+def _stacks(threads: list[threading.Thread]) -> str:
+    """Where each of ``threads`` is now (for a failure's message)."""
+    import sys
+    import traceback
+
+    frames = sys._current_frames()
+    return "\n".join(f"{t.name}:\n" + "".join(traceback.format_stack(frames[t.ident]))
+                     for t in threads if t.ident in frames)
 
 
 def test_the_watch_streams_sender_thread_is_gone_after_close(etcd, prefix, monkeypatch):

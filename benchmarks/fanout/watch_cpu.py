@@ -90,7 +90,8 @@ def _thread_cpu(native_id: int) -> float:
 def measure_watch_cpu(etcd_endpoint: str, *, events: int = 2_000, timeout: float = 120.0,
                       watch_transport: str = "grpc", watch_pacing: float = 0.0,
                       lag: bool = False, rate: float = 0.0, writers: int = 1,
-                      poisson: bool = False, busy: int | None = None) -> dict[str, Any]:
+                      poisson: bool = False, busy: int | None = None,
+                      spell: int | None = None) -> dict[str, Any]:
     """CPU seconds per watch event of one store (total, watch thread, other threads); with
     ``lag``, also the put-to-applied lag per event (p50, p99, max).
 
@@ -98,18 +99,19 @@ def measure_watch_cpu(etcd_endpoint: str, *, events: int = 2_000, timeout: float
     (regularly spaced, or with random exponential gaps: ``poisson``), from ``writers``
     threads (each its own connection). ``busy``: the wire transport's busy-spell size for
     this store (``cachedstore.wire.BUSY``; 1 is the rule before busy spells: pace after
-    any read)."""
+    any read); ``spell``: within how many pacing intervals (``cachedstore.wire.SPELL``)."""
     from cachedstore import EtcdStore, wire
 
     host, _, port = etcd_endpoint.rpartition(":")
     prefix = f"/fanout-cpu/{uuid.uuid4().hex[:8]}/"
-    default_busy = wire.BUSY
+    default_busy, default_spell = wire.BUSY, wire.SPELL
     wire.BUSY = default_busy if busy is None else busy  # read by each call it creates
+    wire.SPELL = default_spell if spell is None else spell
     try:
         store = EtcdStore(host, int(port), prefix=prefix, cache_size=2 * events,
                           watch_transport=watch_transport, watch_pacing=watch_pacing)
     except BaseException:
-        wire.BUSY = default_busy
+        wire.BUSY, wire.SPELL = default_busy, default_spell
         raise
     applied: list[tuple[float, int]] = []
     if lag:
@@ -150,7 +152,7 @@ def measure_watch_cpu(etcd_endpoint: str, *, events: int = 2_000, timeout: float
         call = getattr(store._watcher, "_call", None) if store._watcher else None
         paced = getattr(call, "paced", None)
     finally:
-        wire.BUSY = default_busy
+        wire.BUSY, wire.SPELL = default_busy, default_spell
         if writer.poll() is None:
             writer.kill()
         writer.wait()
@@ -231,17 +233,19 @@ def compare_transports(etcd_endpoint: str, *, rounds: int = 5,
     return out
 
 
-#: What :func:`compare_pacing` compares: (name, watch_pacing, busy-spell size).
-PACING_CONFIGS: tuple[tuple[str, float, int], ...] = (
-    ("wire, no pacing", 0.0, 1),
-    ("wire, pacing 5 ms after any read (before)", 0.005, 1),
-    ("wire, pacing 5 ms in busy spells (now)", 0.005, 5),
+#: What :func:`compare_pacing` compares: (name, watch_pacing, busy-spell size, within how
+#: many pacing intervals).
+PACING_CONFIGS: tuple[tuple[str, float, int, int], ...] = (
+    ("wire, no pacing", 0.0, 1, 1),
+    ("wire, pacing 5 ms after any read", 0.005, 1, 1),
+    ("wire, pacing 5 ms, spells of 5 in 5 ms", 0.005, 5, 1),
+    ("wire, pacing 5 ms, spells of 10 in 10 ms", 0.005, 10, 2),
 )
 
 
 def compare_pacing(etcd_endpoint: str, *, rounds: int = 3, lag_rate: float = 200.0,
                    lag_events: int = 1_000, load_events: int = 20_000, load_writers: int = 8,
-                   configs: Sequence[tuple[str, float, int]] = PACING_CONFIGS
+                   configs: Sequence[tuple[str, float, int, int]] = PACING_CONFIGS
                    ) -> dict[str, dict[str, Any]]:
     """Issue 26, item 3, in one run: per configuration (wire transport; pacing off, the
     rule before busy spells, busy spells), interleaved round by round, (a) the
@@ -249,18 +253,19 @@ def compare_pacing(etcd_endpoint: str, *, rounds: int = 3, lag_rate: float = 200
     ``lag_rate`` puts a second with random (exponential) gaps, and (b) CPU per event under
     load: ``load_writers`` threads putting as fast as they can. Each configuration's median
     round of each (by lag p99, by CPU per event), every round's figures kept."""
-    lag_runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in configs}
-    cpu_runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in configs}
+    lag_runs: dict[str, list[dict[str, Any]]] = {c[0]: [] for c in configs}
+    cpu_runs: dict[str, list[dict[str, Any]]] = {c[0]: [] for c in configs}
     for _ in range(rounds):
-        for name, pacing, busy in configs:
+        for name, pacing, busy, spell in configs:
             lag_runs[name].append(measure_watch_cpu(
                 etcd_endpoint, events=lag_events, watch_transport="wire",
-                watch_pacing=pacing, busy=busy, lag=True, rate=lag_rate, poisson=True))
+                watch_pacing=pacing, busy=busy, spell=spell, lag=True, rate=lag_rate,
+                poisson=True))
             cpu_runs[name].append(measure_watch_cpu(
                 etcd_endpoint, events=load_events, watch_transport="wire",
-                watch_pacing=pacing, busy=busy, writers=load_writers))
+                watch_pacing=pacing, busy=busy, spell=spell, writers=load_writers))
     out: dict[str, dict[str, Any]] = {}
-    for name, _, _ in configs:
+    for name, *_ in configs:
         lags = sorted(lag_runs[name], key=lambda r: r.get("lag_p99_s", float("inf")))
         cpus = sorted(cpu_runs[name], key=lambda r: r["cpu_per_event_s"])
         lag, cpu = lags[len(lags) // 2], cpus[len(cpus) // 2]
