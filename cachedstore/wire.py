@@ -70,16 +70,17 @@ _END_STREAM = _ACK = 0x1
 _END_HEADERS, _PADDED, _PRIORITY = 0x4, 0x8, 0x20
 _STREAM = 1
 _LONGEST_PACE = 86_400.0  # epoll refuses timeouts past ~24 days (and infinity)
-#: A busy spell, the only time reads are paced: this many responses read within one pacing
-#: interval. Fewer are read as they come: at a steady 200 events a second a 5 ms interval
-#: sees one on average; in a random (Poisson) stream at that rate the last five events
-#: (four gaps) fall within 5 ms for 1.9 % of its events (measured: 1.4-1.6 % of pacing
-#: waits, benchmarks/FANOUT.md), which a p99 lag sees: a higher BUSY (7: 0.06 % in
-#: theory) paced as often in that run, since a loaded machine bunches events beyond
-#: Poisson. At 10,000 a second every interval is busy and reads are batched as before.
-BUSY = 5
+#: A busy spell, the only time reads are paced: this many responses read within
+#: :data:`SPELL` pacing intervals, a rate of 1,000 a second at the default 5 ms held for
+#: 10 ms. Fewer are read as they come. A random (Poisson) stream of 200 events a second
+#: puts 10 events within 10 ms for about 0.02 % of its events (5 within 5 ms, the rule
+#: before: 1.9 %, which a p99 lag saw); one run (benchmarks/FANOUT.md, "Pacing only in
+#: busy spells") paced 0 of 1,000 events at 200/s, p99 as unpaced, and the same CPU per
+#: event under load as the rule before (29 against 28 µs). At 10,000 a second every
+#: interval is busy and reads are batched as before.
+BUSY = 10
 #: ... within this many pacing intervals (a spell's rate: ``BUSY / (SPELL * interval)``).
-SPELL = 1
+SPELL = 2
 #: What etcd may send ahead of our reading, per stream and for the connection (bytes).
 WINDOW = 1 << 24
 _DEFAULT_WINDOW = 65_535
@@ -302,8 +303,8 @@ class WireCall:
         socket at most once per ``interval`` seconds, so that messages arriving faster are
         read in batches (each wake-up of the reading thread costs tens of µs of CPU
         whatever it reads). A busy spell: the last :data:`BUSY` messages were all read
-        within ``interval`` (a rate of ``BUSY / interval`` or more; 1,000 a second at the
-        default 5 ms). Outside one, nothing is paced: a message after a quiet spell, or at
+        within :data:`SPELL` intervals (a rate of ``BUSY / (SPELL * interval)`` or more;
+        1,000 a second for 10 ms at the default 5 ms). Outside one, nothing is paced: a message after a quiet spell, or at
         a modest rate (a few per interval), is read as it comes; one in a busy spell waits
         ``interval`` at most. No wait while ``urgent()`` is true; :meth:`hurry`, a request
         to send and :meth:`cancel` end one. ``monotonic`` is the clock the spell and the
@@ -405,7 +406,7 @@ class WireCall:
 
     def _pace(self) -> None:
         """Before a wait for the socket: in a busy spell (the last :data:`BUSY` responses
-        read within ``pacing`` seconds), if the last wait delivered responses and began
+        read within :data:`SPELL` times ``pacing`` seconds), if the last wait delivered responses and began
         less than ``pacing`` seconds ago, wait (on the wake-up socket only) for the rest of
         that time, unless urgent or etcd's bytes are already waiting (a backlog is read at
         full speed); see :meth:`pace`."""

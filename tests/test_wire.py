@@ -19,7 +19,7 @@ from etcd3 import etcdrpc
 from cachedstore import EtcdStore, InvalidInputError
 from cachedstore.server import LocalEtcd
 from cachedstore.testing import make_tls_files
-from cachedstore.wire import BUSY, WINDOW, WireError, WireStub
+from cachedstore.wire import BUSY, SPELL, WINDOW, WireError, WireStub
 from tests.util import eventually, raw_client
 
 pytestmark = pytest.mark.timeout(120)
@@ -414,9 +414,9 @@ def _raw_spell(client: Any, prefix: str, call: Any, got: list[Any]) -> int:
 
 
 def test_a_lone_event_after_a_quiet_spell_is_not_paced(etcd: LocalEtcd, prefix: str) -> None:
-    """Pacing engages under load only: events a few milliseconds apart, fewer than BUSY
-    within one interval, are each read as they come (no pacing wait begins, counted by the
-    call), however recently the previous one was read; the BUSY-th within an interval
+    """Pacing engages under load only: events a millisecond apart, fewer than BUSY within
+    SPELL intervals, are each read as they come (no pacing wait begins, counted by the
+    call), however recently the previous one was read; the BUSY-th within SPELL intervals
     makes the spell busy and the reader paces. The call's clock is injected: every read's
     time is the one set before its put, whatever the machine's load."""
     client = raw_client(etcd)
@@ -427,7 +427,7 @@ def test_a_lone_event_after_a_quiet_spell_is_not_paced(etcd: LocalEtcd, prefix: 
     try:
         assert next(call).created
         got, errors, reader = _pacing_reader(call)
-        # After a quiet second, BUSY - 1 events within 4 ms: each read at once.
+        # After a quiet second, BUSY - 1 events a millisecond apart: each read at once.
         times = [1.0 + 0.001 * i for i in range(BUSY - 1)]
         for i, at in enumerate(times):
             now[0] = at
@@ -435,7 +435,8 @@ def test_a_lone_event_after_a_quiet_spell_is_not_paced(etcd: LocalEtcd, prefix: 
             eventually(lambda i=i: len(got) == i + 1, what=f"event {i} read")
             eventually(lambda at=at: call._last_wait == at, what="the reader waiting again")
             assert call.paced == 0 and not call._pacing_now, f"event {i} paced"
-        # One more within the same 5 ms: BUSY responses in one interval, a busy spell.
+        # One more: BUSY responses within SPELL intervals (10 ms), a busy spell.
+        assert (BUSY - 1) * 0.001 < SPELL * 0.005
         now[0] = times[-1] + 0.0005
         client.put(f"{prefix}k{BUSY}", "v")
         eventually(lambda: call.paced == 1, what="the reader pacing in a busy spell")
