@@ -196,8 +196,8 @@ class LivenessPolicy:
     #: With ``watch_transport="wire"``: while no thread or coroutine is blocked on the
     #: store (in ``get``/``mget``/``wait`` with a timeout, a queue ``pop``, a barrier) and
     #: its cache is serving, the watch thread begins waiting for its stream at most once
-    #: per this many seconds, so that events arriving faster are applied in batches
-    #: (interrupt moderation: each wake-up of the thread costs tens of µs of CPU however
+    #: per this many seconds in a busy spell (10 events within two intervals), so that
+    #: events arriving that fast are applied in batches (interrupt moderation: each wake-up of the thread costs tens of µs of CPU however
     #: little it reads; ``benchmarks/FANOUT.md``, "CPU per watch event"). An event after a
     #: quiet spell is applied at once, and a backlog is read at full speed; in a busy
     #: spell, non-blocking reads (``timeout=0``, torch's ``check``) may see an event up to
