@@ -327,10 +327,11 @@ class StoreConfig:
     watch_transport: str = "wire"
     #: How unary calls (range, txn, put, ...) reach etcd. ``"wire"``: on the caller's
     #: thread over HTTP/2 connections of a small pool (``cachedstore/unary.py``), one
-    #: call at a time per connection, at about 0.6 of grpcio's client CPU per call
-    #: (``benchmarks/unary_cpu.py``, ``benchmarks/FANOUT.md``); a store then holds a
-    #: connection per call in flight at once (one for a single thread) besides its
-    #: watch's (one idle over 30 s is replaced, not reused). ``"grpc"``: through grpcio (one connection;
+    #: call at a time per connection: about half of grpcio's client CPU per call and
+    #: two thirds of its latency when one thread calls (``benchmarks/unary_cpu.py``), as
+    #: much CPU when dozens of threads of one process call at once (``FANOUT.md``); a
+    #: store then holds a connection per call in flight at once (one for a single thread)
+    #: besides its watch's (one idle over 120 s is replaced, not reused). ``"grpc"``: through grpcio (one connection;
     #: honours grpcio's proxy environment variables). Both work with TLS, auth and etcd's
     #: grpc-proxy. A read-only Txn left to finish past its caller's wait (etcd < 3.5.5
     #: must not see it cancelled) always runs on grpcio.

@@ -1,11 +1,12 @@
 """Unary gRPC calls without grpcio, each on the caller's thread over one HTTP/2 connection
 of a small pool: the store's range, txn, put... (``StoreConfig.unary_transport="wire"``).
 
-Why: grpcio costs ~290 µs of CPU per unary call on the machines this project is measured
-on (its completion queue, channel threads and GIL hand-offs), against ~60 µs here: one
-``sendall`` of two frames, one or two ``recv``, a protobuf decode. ``benchmarks/FANOUT.md``
-("Unary calls without grpcio") has one run's figures. The watch stream has its own
-connection (:mod:`cachedstore.wire`).
+Why: grpcio costs ~300 µs of CPU per unary call on the machines this project is measured
+on (its completion queue, channel threads and GIL hand-offs), against ~140 µs here, calls
+back to back from one thread: one ``sendall``, one or two ``recv``, a protobuf decode.
+``benchmarks/FANOUT.md`` ("Unary calls without grpcio") has one run's figures, also for
+many threads of one process calling at once, where the two cost the same. The watch
+stream has its own connection (:mod:`cachedstore.wire`).
 
 What it speaks, per call: HEADERS (request metadata as literals never indexed, see
 :func:`~cachedstore.wire.header_block`, with ``grpc-timeout``) and the length-prefixed
@@ -73,8 +74,10 @@ __all__ = ["MAX_IDLE", "UnaryChannel"]
 _ACK = 0x1
 _CONTINUATION = 9
 #: A pooled connection idle longer than this (seconds) is closed instead of reused: a
-#: long-idle connection may have been dropped by the network without a word.
-MAX_IDLE = 30.0
+#: long-idle connection may have been dropped without a word by a load balancer or NAT
+#: on the way (their idle timeouts are commonly 4 minutes or more). A call that finds
+#: none pays a new connection (TCP, TLS, HTTP/2: one round trip more, and its CPU).
+MAX_IDLE = 120.0
 #: Stream ids are odd and below 2**31: a connection is retired before it runs out.
 _LAST_STREAM = (1 << 31) - 1
 _MAX_TIMEOUT_MS = 99_999_999  # grpc-timeout has at most 8 digits
