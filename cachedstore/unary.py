@@ -33,10 +33,10 @@ closes nothing it shares with the parent.
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import ssl
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -81,9 +81,20 @@ MAX_IDLE = 120.0
 #: Stream ids are odd and below 2**31: a connection is retired before it runs out.
 _LAST_STREAM = (1 << 31) - 1
 _MAX_TIMEOUT_MS = 99_999_999  # grpc-timeout has at most 8 digits
-#: A wait begun this long (seconds) after the socket's timeouts were armed re-arms them,
-#: so that no wait outlasts the call's deadline by more.
-_REARM = 0.005
+#: PING acknowledgements ride on the next request, unless a call has waited this long
+#: (seconds): then they are sent at once (grpc-go drops a connection whose keepalive PING
+#: goes unanswered for its keepalive timeout, 1 s at the least).
+_ACK_WITHIN = 0.5
+
+
+def _lost(authority: str, exc: OSError) -> str:
+    """The details of a connection lost once the request may have been sent: the error's
+    kind and number only, never its text, which could read like a failure to connect
+    ("Connection refused", "No route to host" after the connection was made) and have the
+    request retried as never sent."""
+    number = f" {errno.errorcode.get(exc.errno, exc.errno)}" if exc.errno else ""
+    return f"connection to {authority} lost after the request was sent: " \
+           f"{type(exc).__name__}{number}"
 
 
 class _Http2:
@@ -96,16 +107,16 @@ class _Http2:
     """
 
     def __init__(self, address: tuple[str, int], authority: str, tls: ssl.SSLContext | None,
-                 timeout: float) -> None:
-        """Connect (TCP, TLS, and HTTP/2 up to etcd's SETTINGS) within ``timeout``
-        seconds; raises WireError UNAVAILABLE "failed to connect ..." otherwise: nothing
-        was sent that etcd could act on."""
+                 deadline: float) -> None:
+        """Connect (TCP, TLS, and HTTP/2 up to etcd's SETTINGS) by ``deadline`` (a
+        ``time.monotonic()`` value); raises WireError UNAVAILABLE "failed to connect ..."
+        otherwise: nothing was sent that etcd could act on."""
         self.authority = authority
         self.pid = os.getpid()
         self.idle_since = 0.0
         self.reusable = True
         self._tls = tls is not None
-        self._armed_at = float("-inf")
+        self._started = 0.0  # when the call in progress began (time.monotonic())
         self._decoder = hpack.Decoder()
         #: Header blocks that change no table, decoded (see _on_headers).
         self._decoded: dict[bytes, dict[str, str]] = {}
@@ -127,12 +138,13 @@ class _Http2:
         self._status: tuple[grpc.StatusCode, str] | None = None
         self.sock: socket.socket | ssl.SSLSocket
         try:
-            self.sock = socket.create_connection(address, timeout)
+            self.sock = socket.create_connection(
+                address, max(0.001, deadline - time.monotonic()))
         except OSError as exc:
             raise WireError(grpc.StatusCode.UNAVAILABLE,
                             f"failed to connect to {authority}: {exc}") from None
         try:
-            self._handshake(address[0], tls, time.monotonic() + timeout)
+            self._handshake(address[0], tls, deadline)
         except BaseException as exc:
             self.sock.close()
             if isinstance(exc, ssl.SSLCertVerificationError):
@@ -140,8 +152,9 @@ class _Http2:
                     if "hostname" in str(exc).lower() else ""
                 raise WireError(grpc.StatusCode.UNAVAILABLE, f"failed to connect to "
                                 f"{authority}: {hostname}TLS handshake failed: {exc}") from None
-            if isinstance(exc, (OSError, WireError)):  # TLS errors, timeouts included
-                details = exc.details() if isinstance(exc, WireError) else str(exc)
+            if isinstance(exc, Exception):  # TLS errors, timeouts, a SETTINGS that is not
+                details = exc.details() if isinstance(exc, WireError) else \
+                    f"{type(exc).__name__}: {exc}"
                 raise WireError(grpc.StatusCode.UNAVAILABLE,
                                 f"failed to connect to {authority}: {details}") from None
             raise
@@ -178,9 +191,16 @@ class _Http2:
 
     # -- a call -----------------------------------------------------------------------------
     def call(self, headers: bytes, body: bytes, deadline: float) -> bytes:
-        """Send one request (``headers``: its header block) and return the response
-        message's bytes. Raises WireError; on any error but a status from etcd the
-        connection is left unusable (``reusable`` False)."""
+        """Send one request (``headers``: its header block, less ``grpc-timeout``, added
+        here from ``deadline``) and return the response message's bytes. Raises WireError;
+        on any error but a status from etcd the connection is left unusable (``reusable``
+        False). Nothing is sent once ``deadline`` has passed (UNAVAILABLE, never sent)."""
+        self._started = now = time.monotonic()
+        if now >= deadline:
+            raise WireError(grpc.StatusCode.UNAVAILABLE, f"failed to connect to "
+                            f"{self.authority} in time: no time left to send the request")
+        millis = min(_MAX_TIMEOUT_MS, max(1, int((deadline - now) * 1000)))
+        headers += header_block((("grpc-timeout", f"{millis}m"),))
         self._stream += 2
         stream = self._stream
         if stream >= _LAST_STREAM - 2:
@@ -225,11 +245,13 @@ class _Http2:
             raise WireError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
         except OSError as exc:  # ssl.SSLError included; the request may have been sent
             self.reusable = False
-            raise WireError(grpc.StatusCode.UNAVAILABLE,
-                            f"connection to {self.authority} lost: {exc}") from None
+            raise WireError(grpc.StatusCode.UNAVAILABLE, _lost(self.authority, exc)) from None
         except Exception as exc:  # a frame or header block that does not parse
             self.reusable = False
             raise WireError(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}") from None
+        except BaseException:  # KeyboardInterrupt...: a request or a frame half handled
+            self.reusable = False
+            raise
         code, details = self._status
         if code is not grpc.StatusCode.OK:
             raise WireError(code, details)
@@ -242,32 +264,39 @@ class _Http2:
 
     def _read(self, stream: int, deadline: float) -> None:
         """Wait for what etcd sends (up to ``deadline``, a ``time.monotonic()`` value) and
-        handle every whole frame of it."""
+        handle every whole frame of it. PING acknowledgements owed since the call began
+        are sent once it has waited :data:`_ACK_WITHIN`."""
         now = time.monotonic()
         if now >= deadline:
             raise TimeoutError
-        if self._tls or now - self._armed_at > _REARM:  # else it could overrun the deadline
-            self._arm(deadline)
-        data = self.sock.recv(1 << 18)
+        until = deadline
+        if self._owed:
+            due = self._started + _ACK_WITHIN
+            if now >= due:
+                owed, self._owed = self._owed, b""
+                self._arm(deadline)
+                self.sock.sendall(owed)
+            else:
+                until = due
+        self.sock.settimeout(max(0.001, until - now))
+        try:
+            data = self.sock.recv(1 << 18)
+        except TimeoutError:
+            if until < deadline:
+                return  # time to acknowledge what is owed; the caller reads again
+            raise
         if not data:
             raise WireError(grpc.StatusCode.UNAVAILABLE,
-                            f"connection to {self.authority} lost: closed by the server")
+                            f"connection to {self.authority} lost after the request was "
+                            f"sent: closed by the server")
         self._receive(data, stream)
 
     def _arm(self, deadline: float) -> None:
-        """Let the socket's blocking sends and receives wait until ``deadline`` at most.
-        Plaintext: the kernel's timeouts (SO_RCVTIMEO, SO_SNDTIMEO) on a blocking socket,
-        one syscall per wait, where Python's own socket timeouts poll() before each. TLS:
-        Python's timeouts (its blocking TLS read would retry a kernel timeout forever)."""
-        now = time.monotonic()
-        left = max(0.001, deadline - now)
-        if self._tls:
-            self.sock.settimeout(left)
-            return
-        timeval = struct.pack("ll", int(left), int(left % 1 * 1e6))
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
-        self._armed_at = now
+        """Let the socket's sends and receives wait until ``deadline`` at most: Python's
+        socket timeouts, which poll() against the time left before each wait, resume
+        after a signal with what is left (the kernel's SO_RCVTIMEO starts over), and bound
+        a ``sendall`` as a whole."""
+        self.sock.settimeout(max(0.001, deadline - time.monotonic()))
 
     def _receive(self, data: bytes, stream: int) -> None:
         buf = self._inbuf
@@ -384,22 +413,18 @@ class _Http2:
         (a GOAWAY retires it; a closed socket is dead). Does not block."""
         sock = self.sock
         try:
-            if self._tls:  # from a timeout (see _arm), in which Python would wait to peek
-                sock.settimeout(None)
+            # Non-blocking (a call arms its own timeouts): with a timeout Python would wait
+            # for the socket before even a peek.
+            sock.settimeout(0.0)
             # Unless TLS holds decrypted bytes, a peek at the TCP socket itself (below
-            # TLS), which does not wait: nothing (BlockingIOError), data, or its end.
+            # TLS): nothing (BlockingIOError), data, or its end.
             decrypted = isinstance(sock, ssl.SSLSocket) and sock.pending() > 0
-            if not decrypted and not socket.socket.recv(
-                    sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+            if not decrypted and not socket.socket.recv(sock, 1, socket.MSG_PEEK):
                 return False
-            sock.settimeout(0.0)  # something came: read it without waiting
-            try:
-                data = sock.recv(1 << 18)
-            finally:
-                sock.settimeout(None)  # blocking again (TLS: each wait sets its timeout)
+            data = sock.recv(1 << 18)  # something came: read it
         except (BlockingIOError, ssl.SSLWantReadError):
             return self.reusable
-        except (OSError, ValueError, WireError):
+        except (OSError, ValueError, AttributeError, WireError):
             return False
         if not data:
             return False
@@ -409,13 +434,20 @@ class _Http2:
             return False
         return self.reusable
 
+    def interrupt(self) -> None:
+        """End a call in progress on another thread (its waits fail at once): shut the
+        TCP socket down, under TLS too (``SSLSocket.shutdown`` would first drop the TLS
+        object, and a send racing it would go out in clear). Its owner closes it."""
+        if self.pid == os.getpid():
+            try:
+                socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
+            except OSError:
+                pass
+
     def close(self) -> None:
-        """Close the socket; in a forked child, only our copy of it."""
-        try:
-            if self.pid == os.getpid():
-                self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        """Close the socket (by the thread that owns the connection, or for an idle
+        one); in a forked child, only our copy of it."""
+        self.interrupt()
         self.sock.close()
 
 
@@ -436,6 +468,7 @@ class UnaryChannel:
         self._idle: list[_Http2] = []
         self._open: set[_Http2] = set()
         self._closed = False
+        self._pid = os.getpid()
         #: Connections opened so far (tests count them against a proxy's accepts).
         self.opened = 0
         self._metadata_blocks: dict[tuple[tuple[str, str], ...], bytes] = {}
@@ -456,16 +489,14 @@ class UnaryChannel:
 
     def _call(self, static: bytes, body: bytes, timeout: float | None,
               metadata: tuple[tuple[str, str], ...]) -> bytes:
-        wait = 86_400.0 if timeout is None else max(timeout, 0.0)
-        deadline = time.monotonic() + wait
+        deadline = time.monotonic() + (86_400.0 if timeout is None else max(timeout, 0.0))
         block = self._metadata_blocks.get(metadata)
         if block is None:
             block = header_block((k.lower(), v) for k, v in metadata)
             if len(self._metadata_blocks) < 16:  # a token per renewal: a few at most
                 self._metadata_blocks[metadata] = block
-        millis = min(_MAX_TIMEOUT_MS, max(1, int(wait * 1000)))
-        headers = static + block + header_block((("grpc-timeout", f"{millis}m"),))
-        conn = self._take(wait)
+        headers = static + block
+        conn = self._take(deadline)
         try:
             answer = conn.call(headers, body, deadline)
         except BaseException:
@@ -474,19 +505,36 @@ class UnaryChannel:
         self._give_back(conn)
         return answer
 
-    def _take(self, wait: float) -> _Http2:
+    def _take(self, deadline: float) -> _Http2:
+        """An idle connection that is alive, else a new one (by ``deadline`` at most, and
+        ``connect_timeout``). Raises WireError UNAVAILABLE "failed to connect ...", or for a
+        closed channel."""
+        if self._pid != os.getpid():
+            self._forked()
         while True:
+            stale: list[_Http2] = []
             with self._lock:
                 if self._closed:
                     raise WireError(grpc.StatusCode.UNAVAILABLE, "the channel is closed")
+                now = self._monotonic()
+                # The pool is a stack: the bottom's idle ones would never be looked at.
+                while self._idle and now - self._idle[0].idle_since > MAX_IDLE:
+                    stale.append(self._idle.pop(0))
                 conn = self._idle.pop() if self._idle else None
+            for old in stale:
+                self._discard(old)
             if conn is None:
                 break
-            if self._monotonic() - conn.idle_since <= MAX_IDLE and conn.alive():
+            try:
+                usable = now - conn.idle_since <= MAX_IDLE and conn.alive()
+            except BaseException:
+                self._discard(conn)
+                raise
+            if usable:
                 return conn
             self._discard(conn)
         conn = _Http2(self._address, self._target, self._tls,
-                      max(0.001, min(self._connect_timeout, wait)))
+                      min(time.monotonic() + self._connect_timeout, deadline))
         with self._lock:
             self.opened += 1
             if not self._closed:
@@ -494,6 +542,15 @@ class UnaryChannel:
                 return conn
         conn.close()
         raise WireError(grpc.StatusCode.UNAVAILABLE, "the channel is closed")
+
+    def _forked(self) -> None:
+        """In a forked child: forget the parent's connections (closing only our copies of
+        their sockets) and its lock (a parent thread may have held it)."""
+        self._lock = threading.Lock()
+        conns, self._open, self._idle = list(self._open), set(), []
+        self._pid = os.getpid()
+        for conn in conns:
+            conn.close()  # not shut down: the connection is the parent's
 
     def _give_back(self, conn: _Http2) -> None:
         with self._lock:
@@ -509,9 +566,14 @@ class UnaryChannel:
         conn.close()
 
     def close(self) -> None:
-        """Close every connection; calls in flight fail (UNAVAILABLE). Idempotent."""
+        """Close every connection; calls in flight fail (UNAVAILABLE), and their threads
+        close their connections. Idempotent."""
         with self._lock:
             self._closed = True
-            conns, self._open, self._idle = list(self._open), set(), []
-        for conn in conns:
+            idle = self._idle
+            busy = [conn for conn in self._open if conn not in idle]
+            self._open, self._idle = set(), []
+        for conn in idle:
             conn.close()
+        for conn in busy:
+            conn.interrupt()

@@ -505,3 +505,199 @@ def test_an_unknown_unary_transport_is_refused() -> None:
 
     with pytest.raises(InvalidInputError, match="unary_transport"):
         EtcdStore(endpoints=["127.0.0.1:1"], unary_transport="quic")
+
+
+# -- regressions of the review of this module ----------------------------------------------
+def test_a_connection_lost_after_sending_never_reads_as_never_sent(etcd: LocalEtcd) -> None:
+    """"No route to host" or "Connection refused" on an established connection (the kernel
+    gave up on it after the request went out) must not be classified as a failure to
+    connect: that would retry a write etcd may have applied."""
+    import errno
+
+    from cachedstore.unary import _Http2
+
+    class Failing:
+        def __init__(self, sock: socket.socket, error: OSError) -> None:
+            self._sock, self._error = sock, error
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._sock, name)
+
+        def recv(self, size: int) -> bytes:
+            raise self._error
+
+    address = etcd.endpoint.split("://")[-1].rsplit(":", 1)
+    for number, text in ((errno.EHOSTUNREACH, "No route to host"),
+                         (errno.ECONNREFUSED, "Connection refused")):
+        conn = _Http2((address[0], int(address[1])), _target(etcd), None,
+                      time.monotonic() + 5)
+        real = conn.sock
+        conn.sock = Failing(real, OSError(number, text))  # type: ignore[assignment]
+        try:
+            with pytest.raises(WireError) as caught:
+                conn.call(b"", b"", time.monotonic() + 5)
+            assert caught.value.code() is grpc.StatusCode.UNAVAILABLE
+            assert "after the request was sent" in caught.value.details()
+            assert etcdapi.classify_rpc_error(caught.value)[0] is Failure.TRANSPORT
+            assert not conn.reusable
+        finally:
+            real.close()
+
+
+def test_a_forked_child_never_uses_the_parents_connection(etcd: LocalEtcd, prefix: str
+                                                          ) -> None:
+    """Two processes on one HTTP/2 connection would read each other's answers: a child's
+    call opens a connection of its own."""
+    channel, rpc = _channel(_target(etcd))
+    key = (prefix + "k").encode()
+    try:
+        rpc.put(etcdrpc.PutRequest(key=key, value=b"parent"), timeout=5)
+        (first,) = channel._open
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                got = rpc.range(etcdrpc.RangeRequest(key=key), timeout=5)
+                code = 0 if (got.kvs[0].value == b"parent" and first not in channel._open
+                             and channel._open) else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        for _ in range(5):
+            assert rpc.range(etcdrpc.RangeRequest(key=key), timeout=5).kvs[0].value \
+                == b"parent"
+        assert channel._open == {first}
+    finally:
+        channel.close()
+
+
+def test_signals_do_not_stretch_a_calls_timeout() -> None:
+    """A process taking a signal every 0.1 s (a profiler, a timer): each interrupted wait
+    resumes with the time left, not a new full timeout."""
+    import signal
+
+    done = threading.Event()
+
+    def silent(conn: socket.socket) -> None:
+        _read_preface(conn)
+        conn.sendall(_frame(4, 0, 0))
+        done.wait(30)
+
+    peer = _Peer(silent)
+    channel, rpc = _channel(peer.target)
+    previous = signal.signal(signal.SIGALRM, lambda *_: None)
+    signal.setitimer(signal.ITIMER_REAL, 0.1, 0.1)
+    try:
+        started = time.monotonic()
+        with pytest.raises(WireError) as caught:
+            rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=0.5)
+        took = time.monotonic() - started
+        assert caught.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert took < 1.5, took
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0, 0)
+        signal.signal(signal.SIGALRM, previous)
+        done.set()
+        channel.close()
+        peer.close()
+
+
+def test_an_interrupted_call_leaves_its_connection_out_of_the_pool(
+        etcd: LocalEtcd, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A KeyboardInterrupt in the middle of a call (a frame half handled): the connection
+    is never reused, and the next call works on a new one."""
+    from cachedstore import unary
+
+    channel, rpc = _channel(_target(etcd))
+    receive = unary._Http2._receive
+    interrupted = []
+
+    def once(self: Any, data: bytes, stream: int) -> None:
+        if stream > 0 and not interrupted:
+            interrupted.append(self)
+            raise KeyboardInterrupt
+        receive(self, data, stream)
+
+    try:
+        rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=5)
+        monkeypatch.setattr(unary._Http2, "_receive", once)
+        with pytest.raises(KeyboardInterrupt):
+            rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=5)
+        assert interrupted and interrupted[0] not in channel._open
+        rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=5)
+        assert len(channel._open) == 1 and interrupted[0] not in channel._open
+    finally:
+        channel.close()
+
+
+def test_connecting_and_the_call_share_one_deadline() -> None:
+    """A peer that sends its SETTINGS late: the call's timeout covers the connection too,
+    and nothing is sent once it has passed (the call failed as never sent)."""
+    received: list[bytes] = []
+    done = threading.Event()
+
+    def late(conn: socket.socket) -> None:
+        _read_preface(conn)
+        time.sleep(0.8)
+        conn.sendall(_frame(4, 0, 0))
+        conn.settimeout(0.5)
+        try:
+            received.append(conn.recv(1 << 16))
+        except OSError:
+            pass
+        done.wait(5)
+
+    peer = _Peer(late)
+    channel = UnaryChannel(peer.target, None, 5.0)
+    rpc = _Methods(channel)
+    try:
+        started = time.monotonic()
+        with pytest.raises(WireError) as caught:
+            rpc.put(etcdrpc.PutRequest(key=b"k", value=b"v"), timeout=0.4)
+        took = time.monotonic() - started
+        assert took < 0.8, took
+        assert etcdapi.classify_rpc_error(caught.value)[0] is Failure.UNSENT
+    finally:
+        done.set()
+        channel.close()
+        peer.close()
+    assert not any(b"/etcdserverpb.KV/Put" in chunk for chunk in received)
+
+
+def test_pings_are_acknowledged_while_a_call_waits_long() -> None:
+    """A keepalive PING that arrives while a call waits for a slow answer is acknowledged
+    without waiting for the next request (grpc-go drops a connection that leaves its
+    keepalive unanswered)."""
+    frames: list[tuple[int, int, bytes]] = []
+    empty = b"\x00" + (0).to_bytes(4, "big")
+
+    def slow(conn: socket.socket) -> None:
+        conn.sendall(_frame(4, 0, 0))
+        for stream in _requests_of(conn, frames):
+            conn.sendall(_frame(6, 0, 0, b"keepaliv"))
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline and not any(
+                    k == 6 and f & 1 for k, f, _ in frames):
+                conn.settimeout(0.05)
+                try:
+                    chunk = conn.recv(1 << 16)
+                except OSError:
+                    continue
+                if chunk[:3] and chunk[3] == 6:
+                    frames.append((6, chunk[4], chunk[9:17]))
+            conn.sendall(_frame(1, 4, stream, b"\x88") + _frame(0, 0, stream, empty)
+                         + _frame(1, 5, stream, _literal(b"grpc-status", b"0")))
+            break
+        time.sleep(0.2)
+
+    peer = _Peer(slow)
+    channel, rpc = _channel(peer.target)
+    try:
+        started = time.monotonic()
+        rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=5)
+        assert time.monotonic() - started < 2.0  # answered once its PING was acknowledged
+    finally:
+        channel.close()
+        peer.close()
+    assert (6, 1, b"keepaliv") in frames
