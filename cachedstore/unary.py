@@ -58,7 +58,6 @@ from .wire import (
     _PADDED,
     _PING,
     _PREFACE,
-    _PRIORITY,
     _RST_CODES,
     _RST_STREAM,
     _SETTINGS,
@@ -67,6 +66,7 @@ from .wire import (
     WireError,
     _frame,
     header_block,
+    header_fragment,
 )
 
 __all__ = ["MAX_IDLE", "UnaryChannel"]
@@ -370,11 +370,8 @@ class _Http2:
     def _on_headers(self, kind: int, flags: int, payload: bytes, ours: bool) -> None:
         # Every header block is decoded, ours or not: HPACK's table is the connection's.
         if kind == _HEADERS:
-            if flags & _PADDED:
-                payload = payload[1:len(payload) - payload[0]]
-            if flags & _PRIORITY:
-                payload = payload[5:]
-            self._block, self._block_ends = payload, bool(flags & _END_STREAM)
+            self._block = header_fragment(flags, payload)
+            self._block_ends = bool(flags & _END_STREAM)
         else:
             self._block += payload
         if not flags & _END_HEADERS:

@@ -119,6 +119,15 @@ def header_block(headers: Iterable[tuple[str, str]]) -> bytes:
     return bytes(out)
 
 
+def header_fragment(flags: int, payload: bytes) -> bytes:
+    """A HEADERS frame's payload less its padding and priority fields (RFC 9113 6.2)."""
+    if flags & _PADDED:
+        payload = payload[1:len(payload) - payload[0]]
+    if flags & _PRIORITY:
+        payload = payload[5:]
+    return payload
+
+
 def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
     return (len(payload).to_bytes(3, "big") + bytes((kind, flags))
             + stream.to_bytes(4, "big") + payload)
@@ -627,11 +636,8 @@ class WireCall:
 
     def _on_headers(self, kind: int, flags: int, payload: bytes) -> None:
         if kind == _HEADERS:
-            if flags & _PADDED:
-                payload = payload[1:len(payload) - payload[0]]
-            if flags & _PRIORITY:
-                payload = payload[5:]
-            self._block, self._block_ends_stream = payload, bool(flags & _END_STREAM)
+            self._block = header_fragment(flags, payload)
+            self._block_ends_stream = bool(flags & _END_STREAM)
         else:
             self._block += payload
         if not flags & _END_HEADERS:

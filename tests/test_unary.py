@@ -281,15 +281,20 @@ def _read_preface(conn: socket.socket) -> None:
     assert data.startswith(_PREFACE)
 
 
-def test_a_silent_peer_times_the_call_out_and_the_connection_is_dropped() -> None:
+def _silent_peer() -> tuple[_Peer, threading.Event]:
+    """A peer that sends its SETTINGS, then nothing until the event is set."""
     done = threading.Event()
 
     def silent(conn: socket.socket) -> None:
         _read_preface(conn)
-        conn.sendall(_frame(4, 0, 0))  # its SETTINGS, then nothing
+        conn.sendall(_frame(4, 0, 0))
         done.wait(30)
 
-    peer = _Peer(silent)
+    return _Peer(silent), done
+
+
+def test_a_silent_peer_times_the_call_out_and_the_connection_is_dropped() -> None:
+    peer, done = _silent_peer()
     channel, rpc = _channel(peer.target)
     try:
         started = time.monotonic()
@@ -374,14 +379,7 @@ def test_a_peer_that_never_speaks_http2_fails_the_call_as_never_sent() -> None:
 
 
 def test_close_from_another_thread_ends_a_blocked_call() -> None:
-    done = threading.Event()
-
-    def silent(conn: socket.socket) -> None:
-        _read_preface(conn)
-        conn.sendall(_frame(4, 0, 0))  # its SETTINGS, then nothing
-        done.wait(30)
-
-    peer = _Peer(silent)
+    peer, done = _silent_peer()
     channel, rpc = _channel(peer.target)
     failed: list[BaseException] = []
 
@@ -577,14 +575,7 @@ def test_signals_do_not_stretch_a_calls_timeout() -> None:
     resumes with the time left, not a new full timeout."""
     import signal
 
-    done = threading.Event()
-
-    def silent(conn: socket.socket) -> None:
-        _read_preface(conn)
-        conn.sendall(_frame(4, 0, 0))
-        done.wait(30)
-
-    peer = _Peer(silent)
+    peer, done = _silent_peer()
     channel, rpc = _channel(peer.target)
     previous = signal.signal(signal.SIGALRM, lambda *_: None)
     signal.setitimer(signal.ITIMER_REAL, 0.1, 0.1)
