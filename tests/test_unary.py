@@ -577,8 +577,16 @@ def test_signals_do_not_stretch_a_calls_timeout() -> None:
 
     peer, done = _silent_peer()
     channel, rpc = _channel(peer.target)
-    previous = signal.signal(signal.SIGALRM, lambda *_: None)
-    signal.setitimer(signal.ITIMER_REAL, 0.1, 0.1)
+    # SIGUSR1 to this thread every 0.1 s (SIGALRM is pytest-timeout's).
+    previous = signal.signal(signal.SIGUSR1, lambda *_: None)
+    target, stop = threading.get_ident(), threading.Event()
+
+    def signals() -> None:
+        while not stop.wait(0.1):
+            signal.pthread_kill(target, signal.SIGUSR1)
+
+    sender = threading.Thread(target=signals, name="test-unary-signals", daemon=True)
+    sender.start()
     try:
         started = time.monotonic()
         with pytest.raises(WireError) as caught:
@@ -587,8 +595,9 @@ def test_signals_do_not_stretch_a_calls_timeout() -> None:
         assert caught.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
         assert took < 1.5, took
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0, 0)
-        signal.signal(signal.SIGALRM, previous)
+        stop.set()
+        sender.join(5)
+        signal.signal(signal.SIGUSR1, previous)
         done.set()
         channel.close()
         peer.close()
