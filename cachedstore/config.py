@@ -19,8 +19,9 @@ from typing import ClassVar
 from .errors import InvalidInputError, InvalidTypeError
 from .liveness import pings_fit
 
-__all__ = ["KEEPALIVE_TIME", "KEEPALIVE_TIMEOUT", "LATENCY_SAMPLE_EVERY", "WATCH_SCOPES",
-           "UNARY_TRANSPORTS", "WATCH_TRANSPORTS", "Backoff", "LivenessPolicy", "StoreConfig", "seconds"]
+__all__ = ["KEEPALIVE_TIME", "KEEPALIVE_TIMEOUT", "LATENCY_SAMPLE_EVERY", "UNARY_TRANSPORTS",
+           "WATCH_SCOPES", "WATCH_TRANSPORTS", "Backoff", "LivenessPolicy", "StoreConfig",
+           "seconds"]
 
 #: gRPC keepalive PINGs on an idle unary connection, every this many seconds (etcd refuses
 #: them more often than its ``--grpc-keepalive-min-time``, 5 s by default) ...
@@ -197,8 +198,9 @@ class LivenessPolicy:
     #: store (in ``get``/``mget``/``wait`` with a timeout, a queue ``pop``, a barrier) and
     #: its cache is serving, the watch thread begins waiting for its stream at most once
     #: per this many seconds in a busy spell (10 events within two intervals), so that
-    #: events arriving that fast are applied in batches (interrupt moderation: each wake-up of the thread costs tens of µs of CPU however
-    #: little it reads; ``benchmarks/FANOUT.md``, "CPU per watch event"). An event after a
+    #: events arriving that fast are applied in batches (interrupt moderation: each
+    #: wake-up of the thread costs tens of µs of CPU however little it reads;
+    #: ``benchmarks/FANOUT.md``, "CPU per watch event"). An event after a
     #: quiet spell is applied at once, and a backlog is read at full speed; in a busy
     #: spell, non-blocking reads (``timeout=0``, torch's ``check``) may see an event up to
     #: this much later. Blocked readers are never delayed. 0 disables it; it must stay
@@ -331,10 +333,11 @@ class StoreConfig:
     #: two thirds of its latency when one thread calls (``benchmarks/unary_cpu.py``), as
     #: much CPU when dozens of threads of one process call at once (``FANOUT.md``); a
     #: store then holds a connection per call in flight at once (one for a single thread)
-    #: besides its watch's (one idle over 120 s is replaced, not reused). ``"grpc"``: through grpcio (one connection;
-    #: honours grpcio's proxy environment variables). Both work with TLS, auth and etcd's
-    #: grpc-proxy. A read-only Txn left to finish past its caller's wait (etcd < 3.5.5
-    #: must not see it cancelled) always runs on grpcio.
+    #: besides its watch's (one idle over 120 s is replaced, not reused). ``"grpc"``:
+    #: through grpcio (one connection; honours grpcio's proxy environment variables).
+    #: Both work with TLS, auth and etcd's grpc-proxy. A read-only Txn left to finish
+    #: past its caller's wait (etcd < 3.5.5 must not see it cancelled) always runs on
+    #: grpcio.
     unary_transport: str = "wire"
     #: Retry policy of the watch stream and of connection attempts.
     backoff: Backoff = field(default_factory=Backoff)

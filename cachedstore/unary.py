@@ -240,7 +240,7 @@ class _Http2:
             self.reusable = False
             raise
         except (TimeoutError, BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
-            # The kernel's SO_RCVTIMEO/SO_SNDTIMEO ran out (EAGAIN), or the deadline passed.
+            # The socket's timeout (the deadline) passed, or a wait that would block.
             self.reusable = False
             raise WireError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
         except OSError as exc:  # ssl.SSLError included; the request may have been sent

@@ -313,9 +313,9 @@ class WireCall:
         read in batches (each wake-up of the reading thread costs tens of µs of CPU
         whatever it reads). A busy spell: the last :data:`BUSY` messages were all read
         within :data:`SPELL` intervals (a rate of ``BUSY / (SPELL * interval)`` or more;
-        1,000 a second for 10 ms at the default 5 ms). Outside one, nothing is paced: a message after a quiet spell, or at
-        a modest rate (a few per interval), is read as it comes; one in a busy spell waits
-        ``interval`` at most. No wait while ``urgent()`` is true; :meth:`hurry`, a request
+        1,000 a second for 10 ms at the default 5 ms). Outside one, nothing is paced: a
+        message after a quiet spell, or at a modest rate (a few per interval), is read as
+        it comes; one in a busy spell waits ``interval`` at most. No wait while ``urgent()`` is true; :meth:`hurry`, a request
         to send and :meth:`cancel` end one. ``monotonic`` is the clock the spell and the
         waits are judged by. Call before iterating; ``interval`` 0 turns it off."""
         self._pacing, self._urgent, self._monotonic = interval, urgent, monotonic
@@ -415,9 +415,9 @@ class WireCall:
 
     def _pace(self) -> None:
         """Before a wait for the socket: in a busy spell (the last :data:`BUSY` responses
-        read within :data:`SPELL` times ``pacing`` seconds), if the last wait delivered responses and began
-        less than ``pacing`` seconds ago, wait (on the wake-up socket only) for the rest of
-        that time, unless urgent or etcd's bytes are already waiting (a backlog is read at
+        read within :data:`SPELL` times ``pacing`` seconds), if the last wait delivered
+        responses and began less than ``pacing`` seconds ago, wait (on the wake-up socket
+        only) for the rest of that time, unless urgent or etcd's bytes are already waiting (a backlog is read at
         full speed); see :meth:`pace`."""
         now = self._monotonic()
         delivered = self._delivered
