@@ -41,8 +41,9 @@ class _Methods:
         self.txn = channel.method("/etcdserverpb.KV/Txn", etcdrpc.TxnResponse.FromString)
 
 
-def _channel(target: str, **kwargs: Any) -> tuple[UnaryChannel, _Methods]:
-    channel = UnaryChannel(target, None, 2.0, **kwargs)
+def _channel(target: str, tls: ssl.SSLContext | None = None, connect_timeout: float = 2.0,
+             **kwargs: Any) -> tuple[UnaryChannel, _Methods]:
+    channel = UnaryChannel(target, tls, connect_timeout, **kwargs)
     return channel, _Methods(channel)
 
 
@@ -332,8 +333,7 @@ def test_a_silent_tls_peer_times_the_call_out(tmp_path: Path) -> None:
 
     peer = _Peer(serve)
     client_side = Credentials(ca_cert=files.ca_cert).ssl_context()
-    channel = UnaryChannel(peer.target, client_side, 2.0)
-    rpc = _Methods(channel)
+    channel, rpc = _channel(peer.target, client_side)
     try:
         rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=5)
         (first,) = channel._open
@@ -361,8 +361,7 @@ def test_a_peer_that_never_speaks_http2_fails_the_call_as_never_sent() -> None:
         done.wait(30)
 
     peer = _Peer(mute)
-    channel = UnaryChannel(peer.target, None, 0.3)
-    rpc = _Methods(channel)
+    channel, rpc = _channel(peer.target, connect_timeout=0.3)
     try:
         started = time.monotonic()
         with pytest.raises(WireError) as caught:
@@ -649,8 +648,7 @@ def test_connecting_and_the_call_share_one_deadline() -> None:
         done.wait(5)
 
     peer = _Peer(late)
-    channel = UnaryChannel(peer.target, None, 5.0)
-    rpc = _Methods(channel)
+    channel, rpc = _channel(peer.target, connect_timeout=5.0)
     try:
         started = time.monotonic()
         with pytest.raises(WireError) as caught:
