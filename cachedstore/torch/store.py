@@ -438,6 +438,8 @@ class TorchEtcdStore(dist.Store):
             opened = self._etcd.queues.open_directory(names)
             if self._etcd.check(names):
                 return True
+            if len(names) == 1:  # the key is absent: only its queue can make it exist
+                return self._etcd.queues.is_nonempty(names[0], opened)
             return all(self._present(n, opened) for n in names)
         except CachedStoreError as exc:
             raise _translate(exc, f"check {list(keys)!r}") from exc
