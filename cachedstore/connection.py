@@ -410,6 +410,19 @@ class Connection:
             self._token = response.token
 
     # -- calls ---------------------------------------------------------------------------
+    def warm(self, deadline: float) -> None:
+        """With ``unary_transport="wire"``: open a pooled connection to the endpoint in use
+        now, by ``deadline``, so that the first call does not pay for it (grpcio's channel
+        is shared with the watch and needs none). Best effort: a failure is left for the
+        first call to meet, retry and report."""
+        try:
+            _, ep = self.endpoint()
+            if ep.unary is not None:
+                ep.unary.warm(max(0.0, deadline - self._clock.monotonic()))
+        except (WireError, StoreClosedError) as exc:
+            log.debug("cachedstore: no unary connection to %s opened ahead: %s",
+                      self.targets, exc)
+
     def deadline(self, timeout: float | None = None) -> float:
         """The deadline (on the connection's clock) ``timeout`` seconds from now; default
         ``request_timeout``."""

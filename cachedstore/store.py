@@ -256,6 +256,8 @@ class EtcdStore:
         self._reads.progress.request = self._watcher.request_progress
         self._opener.fall_back = self._watcher.rescope
         self._watcher.start(revision)
+        if self._cache.scoped:  # no read yet: the first one would open the connection
+            self._conn.warm(deadline)
         if not self._clock.wait(self._watcher.ready,
                                 max(0.0, deadline - self._clock.monotonic())):
             cause = self._watcher.last_error
