@@ -332,8 +332,12 @@ class TorchEtcdStore(dist.Store):
         value = self._etcd_get(name)  # the hot path: a hit, no deadline arithmetic
         if value is not None:
             return value
-        return self._until_deadline(f"keys: [{key!r}]", self._wait_seconds(),
-                                    lambda left: self._get_blocking([name], left)[0])
+        looked = [True]  # the first attempt knows the key absent: no second look first
+
+        def attempt(left: float) -> bytes:
+            absent, looked[0] = looked[0], False
+            return self._get_blocking([name], left, absent)[0]
+        return self._until_deadline(f"keys: [{key!r}]", self._wait_seconds(), attempt)
 
     def _etcd_get(self, name: str | bytes) -> bytes | None:
         try:
@@ -344,17 +348,24 @@ class TorchEtcdStore(dist.Store):
         except CachedStoreError as exc:
             raise _translate(exc, f"keys: [{name!r}]") from exc
 
-    def _get_blocking(self, names: list[str | bytes], wait: float) -> list[bytes]:
+    def _get_blocking(self, names: list[str | bytes], wait: float,
+                      absent: bool = False) -> list[bytes]:
         """The values of ``names``, waiting (on the watch, within ``wait`` seconds) for the
-        absent ones. Each wait step ends at the deadline without another etcd read."""
+        absent ones (``absent``: the caller just found every name absent, so the first
+        step waits at once). Each wait step ends at the deadline without another etcd
+        read."""
         clock = self._clock
         deadline = clock.monotonic() + wait
+        missing = list(names)
         while True:
-            values = self._etcd.mget(names, None, timeout=0)
-            missing = [n for n, v in zip(names, values, strict=True) if v is None]
-            if not missing:
-                return values
-            self._wait_present(missing, deadline - clock.monotonic(), queues_count=False)
+            if not absent:
+                values = self._etcd.mget(names, None, timeout=0)
+                missing = [n for n, v in zip(names, values, strict=True) if v is None]
+                if not missing:
+                    return values
+            absent = False
+            self._wait_present(missing, deadline - clock.monotonic(), queues_count=False,
+                               looked=True)
 
     def add(self, key: str, value: int) -> int:
         """Atomically add ``value`` to the integer under ``key`` (0 if absent); return it.
@@ -452,17 +463,19 @@ class TorchEtcdStore(dist.Store):
                              lambda left: self._wait_present(names, left))
 
     def _wait_present(self, names: list[str | bytes], wait: float,
-                      queues_count: bool = True) -> None:
+                      queues_count: bool = True, looked: bool = False) -> None:
         """Block until every name exists (as a key, or with ``queues_count`` as a
         non-empty queue), woken by the watch; StoreTimeoutError after ``wait`` seconds,
-        raised at the deadline without reading etcd again."""
+        raised at the deadline without reading etcd again. ``looked``: the caller just
+        found ``names`` absent (and opened their scopes), so none is looked up twice."""
         # Watching what it touched: the keys' scopes and the queues' in one read.
         opened = self._etcd.queues.open_directory(names) if queues_count else None
-        try:
-            self._etcd.wait(names, timeout=0)
-            return  # every key exists: the common case, answered from the cache
-        except StoreTimeoutError:
-            pass
+        if not looked:
+            try:
+                self._etcd.wait(names, timeout=0)
+                return  # every key exists: the common case, answered from the cache
+            except StoreTimeoutError:
+                pass
         missing = list(dict.fromkeys(names))
 
         def present() -> bool:
