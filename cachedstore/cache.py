@@ -67,7 +67,8 @@ import heapq
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, ItemsView, Iterable, Iterator
+from collections.abc import Callable, ItemsView, Iterable, Iterator, Mapping
+from typing import TypeVar
 
 from .counters import stored
 from .metrics import NullMetrics, StoreMetrics
@@ -83,6 +84,16 @@ NOT_SERVING = sys.maxsize
 #: What :meth:`CoherentCache.begin` returns: the epoch the operation began in.
 Ticket = int
 _Woken = list[tuple[Waiter, bytes]]
+
+
+_V = TypeVar("_V")
+
+
+def _items(table: Mapping[str, _V], only: str | None) -> Iterable[tuple[str, _V]]:
+    """Every item of ``table``, or (``only`` given) that name's item if it has one."""
+    if only is None:
+        return table.items()
+    return ((only, table[only]),) if only in table else ()
 
 
 class _LRU:
@@ -556,13 +567,16 @@ class CoherentCache:
         lru = self._lru
         root = scope is self._root
         scope_of = self._scope_of
-        gone = [n for n, e in lru.items()
+        # A key scope covers one name: look that one up, not every entry of the cache (a
+        # scope opens per name touched; scanning made each opening cost O(cache size)).
+        only = scope.key[1:] if scope.key is not None and scope.key[0] == "k" else None
+        gone = [n for n, e in _items(lru.data, only)
                 if e[1] <= revision and (root or scope_of(n) is scope)]
         for name in gone:
             del lru[name]
         self._metrics.entries.dec(len(gone))
         for table in (self._dirty, self._marks):
-            for name in [n for n, at in table.items()
+            for name in [n for n, at in _items(table, only)
                          if at <= revision and (root or scope_of(n) is scope)]:
                 del table[name]
         scope.heap[:] = [(at, n) for at, n in scope.heap if self._marks.get(n) == at]
