@@ -523,11 +523,13 @@ class CoherentCache:
             self.floor = NOT_SERVING
             return
         floor = 0
-        for scope in self._all_scopes():
+        root = self._root
+        for scope in (root,) if root is not None else self._scopes.values():
             if scope.awaiting_create:
                 floor = NOT_SERVING
                 break
-            floor = max(floor, scope.catch_up_to)
+            if scope.catch_up_to > floor:  # max(), without a call per scope: each scope
+                floor = scope.catch_up_to  # opened runs this over all of them
         self.floor = floor
 
     def watch_down(self) -> None:
