@@ -333,7 +333,8 @@ class StoreConfig:
     #: two thirds of its latency when one thread calls (``benchmarks/unary_cpu.py``), as
     #: much CPU when dozens of threads of one process call at once (``FANOUT.md``); a
     #: store then holds a connection per call in flight at once (one for a single thread)
-    #: besides its watch's (one idle over 120 s is replaced, not reused). ``"grpc"``:
+    #: besides its watch's (one idle over 120 s is replaced, not reused; a store that
+    #: reads nothing while it is built opens its first one then). ``"grpc"``:
     #: through grpcio (one connection; honours grpcio's proxy environment variables).
     #: Both work with TLS, auth and etcd's grpc-proxy. A read-only Txn left to finish
     #: past its caller's wait (etcd < 3.5.5 must not see it cancelled) always runs on
