@@ -63,7 +63,8 @@ def test_torch_get_whose_deadline_passes_during_the_mget_raises_torchs_timeout(e
     ``_wait_present`` made it a deadline in the past and raised StoreTimeoutError (torch's
     "wait timeout"); now it is passed as ``timeout=`` to ``EtcdStore.wait_until``, whose
     ``seconds()`` refuses a negative timeout with InvalidInputError, which torch reports as
-    a plain DistStoreError that is not a timeout ("timeout must be at least 0 seconds")."""
+    a plain DistStoreError that is not a timeout ("timeout must be at least 0 seconds").
+    ``multi_get`` takes that path (``get`` of an absent key waits without the mget now)."""
     import torch
 
     from cachedstore.torch import TorchEtcdStore
@@ -82,7 +83,7 @@ def test_torch_get_whose_deadline_passes_during_the_mget_raises_torchs_timeout(e
 
         etcd_store.mget = slow_mget
         with pytest.raises(torch.distributed.DistStoreError) as caught:
-            tstore.get("absent")
+            tstore.multi_get(["absent"])
         assert "wait timeout" in str(caught.value), str(caught.value)
 
 

@@ -168,6 +168,14 @@ def _requests_of(conn: socket.socket, frames: list[tuple[int, int, bytes]] | Non
         buf += chunk
 
 
+def _range_fails_internal(rpc: _Methods, details: str) -> None:
+    """A Range on ``rpc`` fails with INTERNAL and ``details`` in its details."""
+    with pytest.raises(WireError) as caught:
+        rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=5)
+    assert caught.value.code() is grpc.StatusCode.INTERNAL
+    assert details in caught.value.details()
+
+
 def test_an_indexed_block_is_read_with_the_table_of_its_time() -> None:
     """HPACK blocks of indexed fields only are decoded once and remembered, but only until
     a block changes the table: here the same one-byte trailers block (index 62) first means
@@ -196,10 +204,7 @@ def test_an_indexed_block_is_read_with_the_table_of_its_time() -> None:
     try:
         rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=5)
         rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=5)
-        with pytest.raises(WireError) as caught:
-            rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=5)
-        assert caught.value.code() is grpc.StatusCode.INTERNAL
-        assert "without a status" in caught.value.details()
+        _range_fails_internal(rpc, "without a status")
     finally:
         channel.close()
         peer.close()
@@ -235,10 +240,7 @@ def test_a_block_decoded_on_one_connection_is_reused_only_after_the_same_table()
                 channel.close()
         channel, rpc = _channel(peer.target)
         try:
-            with pytest.raises(WireError) as caught:
-                rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=5)
-            assert caught.value.code() is grpc.StatusCode.INTERNAL
-            assert "Invalid" in caught.value.details()
+            _range_fails_internal(rpc, "Invalid")
         finally:
             channel.close()
         assert peer.accepted == 3
