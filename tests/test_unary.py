@@ -168,12 +168,20 @@ def _requests_of(conn: socket.socket, frames: list[tuple[int, int, bytes]] | Non
         buf += chunk
 
 
+def _fails(call: Callable[..., Any], request: Any, timeout: float) -> tuple[WireError, float]:
+    """``call(request, timeout=timeout)`` raises WireError: that error, and the seconds the
+    call took."""
+    started = time.monotonic()
+    with pytest.raises(WireError) as caught:
+        call(request, timeout=timeout)
+    return caught.value, time.monotonic() - started
+
+
 def _range_fails_internal(rpc: _Methods, details: str) -> None:
     """A Range on ``rpc`` fails with INTERNAL and ``details`` in its details."""
-    with pytest.raises(WireError) as caught:
-        rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=5)
-    assert caught.value.code() is grpc.StatusCode.INTERNAL
-    assert details in caught.value.details()
+    error, _ = _fails(rpc.range, etcdrpc.RangeRequest(key=b"k"), 5)
+    assert error.code() is grpc.StatusCode.INTERNAL
+    assert details in error.details()
 
 
 def test_an_indexed_block_is_read_with_the_table_of_its_time() -> None:
@@ -341,12 +349,9 @@ def test_a_silent_peer_times_the_call_out_and_the_connection_is_dropped() -> Non
     peer, done = _silent_peer()
     channel, rpc = _channel(peer.target)
     try:
-        started = time.monotonic()
-        with pytest.raises(WireError) as caught:
-            rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=0.3)
-        took = time.monotonic() - started
-        assert caught.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-        assert etcdapi.classify_rpc_error(caught.value)[0] is Failure.TRANSPORT
+        error, took = _fails(rpc.range, etcdrpc.RangeRequest(key=b"k"), 0.3)
+        assert error.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert etcdapi.classify_rpc_error(error)[0] is Failure.TRANSPORT
         assert 0.25 <= took < 1.5, took
         assert not channel._open and not channel._idle  # not reused: its call may run on
     finally:
@@ -380,11 +385,8 @@ def test_a_silent_tls_peer_times_the_call_out(tmp_path: Path) -> None:
     try:
         rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=5)
         (first,) = channel._open
-        started = time.monotonic()
-        with pytest.raises(WireError) as caught:
-            rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=0.3)
-        took = time.monotonic() - started
-        assert caught.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        error, took = _fails(rpc.range, etcdrpc.RangeRequest(key=b"k"), 0.3)
+        assert error.code() is grpc.StatusCode.DEADLINE_EXCEEDED
         assert 0.25 <= took < 1.5, took
         assert peer.accepted == 1  # the second call ran on the first call's connection
     finally:
@@ -406,13 +408,11 @@ def test_a_peer_that_never_speaks_http2_fails_the_call_as_never_sent() -> None:
     peer = _Peer(mute)
     channel, rpc = _channel(peer.target, connect_timeout=0.3)
     try:
-        started = time.monotonic()
-        with pytest.raises(WireError) as caught:
-            rpc.put(etcdrpc.PutRequest(key=b"k", value=b"v"), timeout=5)
-        assert time.monotonic() - started < 2.0
-        assert caught.value.code() is grpc.StatusCode.UNAVAILABLE
-        assert "settings" in caught.value.details().lower()
-        assert etcdapi.classify_rpc_error(caught.value)[0] is Failure.UNSENT
+        error, took = _fails(rpc.put, etcdrpc.PutRequest(key=b"k", value=b"v"), 5)
+        assert took < 2.0
+        assert error.code() is grpc.StatusCode.UNAVAILABLE
+        assert "settings" in error.details().lower()
+        assert etcdapi.classify_rpc_error(error)[0] is Failure.UNSENT
         assert not channel._open
     finally:
         done.set()
@@ -644,11 +644,8 @@ def test_signals_do_not_stretch_a_calls_timeout() -> None:
     sender = threading.Thread(target=signals, name="test-unary-signals", daemon=True)
     sender.start()
     try:
-        started = time.monotonic()
-        with pytest.raises(WireError) as caught:
-            rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=0.5)
-        took = time.monotonic() - started
-        assert caught.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        error, took = _fails(rpc.range, etcdrpc.RangeRequest(key=b"k"), 0.5)
+        assert error.code() is grpc.StatusCode.DEADLINE_EXCEEDED
         assert took < 1.5, took
     finally:
         stop.set()
@@ -707,12 +704,9 @@ def test_connecting_and_the_call_share_one_deadline() -> None:
     peer = _Peer(late)
     channel, rpc = _channel(peer.target, connect_timeout=5.0)
     try:
-        started = time.monotonic()
-        with pytest.raises(WireError) as caught:
-            rpc.put(etcdrpc.PutRequest(key=b"k", value=b"v"), timeout=0.4)
-        took = time.monotonic() - started
+        error, took = _fails(rpc.put, etcdrpc.PutRequest(key=b"k", value=b"v"), 0.4)
         assert took < 0.8, took
-        assert etcdapi.classify_rpc_error(caught.value)[0] is Failure.UNSENT
+        assert etcdapi.classify_rpc_error(error)[0] is Failure.UNSENT
     finally:
         done.set()
         channel.close()
