@@ -47,7 +47,9 @@ import grpc
 import hpack
 
 from .wire import (
+    _ACK,
     _CODES,
+    _CONTINUATION,
     _DATA,
     _DEFAULT_WINDOW,
     _END_HEADERS,
@@ -62,17 +64,18 @@ from .wire import (
     _RST_STREAM,
     _SETTINGS,
     _WINDOW_UPDATE,
+    SETTINGS_INITIAL_WINDOW_SIZE,
+    SETTINGS_MAX_FRAME_SIZE,
     WINDOW,
     WireError,
     _frame,
     header_block,
     header_fragment,
+    settings_of,
 )
 
 __all__ = ["MAX_IDLE", "UnaryChannel"]
 
-_ACK = 0x1
-_CONTINUATION = 9
 #: A pooled connection idle longer than this (seconds) is closed instead of reused: a
 #: long-idle connection may have been dropped without a word by a load balancer or NAT
 #: on the way (their idle timeouts are commonly 4 minutes or more). A call that finds
@@ -102,6 +105,14 @@ _HISTORY_BYTES = 4096
 def _decode(decoder: hpack.Decoder, block: bytes) -> dict[str, str]:
     return {bytes(k).decode("latin-1"): bytes(v).decode("latin-1")
             for k, v in decoder.decode(block, raw=True)}
+
+
+def _replayed(history: tuple[bytes, ...]) -> hpack.Decoder:
+    """A decoder whose table is what ``history``'s blocks built on a new connection."""
+    decoder = hpack.Decoder()
+    for block in history:
+        decoder.decode(block, raw=True)
+    return decoder
 
 
 def _lost(authority: str, exc: OSError) -> str:
@@ -361,13 +372,11 @@ class _Http2:
         del buf[:pos]
 
     def _on_settings(self, payload: bytes) -> None:
-        for at in range(0, len(payload) - 5, 6):
-            ident = int.from_bytes(payload[at:at + 2], "big")
-            value = int.from_bytes(payload[at + 2:at + 6], "big")
-            if ident == 4:  # INITIAL_WINDOW_SIZE: moves an open stream's window too
+        for ident, value in settings_of(payload):
+            if ident == SETTINGS_INITIAL_WINDOW_SIZE:  # moves an open stream's window too
                 self._stream_window += value - self._peer_initial_window
                 self._peer_initial_window = value
-            elif ident == 5:  # MAX_FRAME_SIZE
+            elif ident == SETTINGS_MAX_FRAME_SIZE:
                 self._max_frame = value
         self._settings_seen = True
         self.sock.sendall(_frame(_SETTINGS, _ACK, 0))
@@ -438,9 +447,7 @@ class _Http2:
                 if not indexed:
                     self._moved(key)
                 return headers
-            decoder = self._decoder = hpack.Decoder()
-            for earlier in key[:-1]:
-                decoder.decode(earlier, raw=True)
+            decoder = self._decoder = _replayed(key[:-1])
         headers = _decode(decoder, block)
         if key is not None:
             if len(_SHARED_DECODED) < _SHARED_MAX and sum(map(len, key)) <= _HISTORY_BYTES:
@@ -456,9 +463,7 @@ class _Http2:
             self._history = history
             return
         if self._decoder is None:
-            self._decoder = hpack.Decoder()
-            for earlier in history:
-                self._decoder.decode(earlier, raw=True)
+            self._decoder = _replayed(history)
         self._history = None
 
     # -- in the pool --------------------------------------------------------------------------

@@ -128,6 +128,17 @@ def header_fragment(flags: int, payload: bytes) -> bytes:
     return payload
 
 
+#: SETTINGS parameters this module acts on (RFC 9113 6.5.2).
+SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE = 4, 5
+
+
+def settings_of(payload: bytes) -> Iterator[tuple[int, int]]:
+    """A SETTINGS frame's ``(identifier, value)`` pairs, in order."""
+    for at in range(0, len(payload) - 5, 6):
+        yield (int.from_bytes(payload[at:at + 2], "big"),
+               int.from_bytes(payload[at + 2:at + 6], "big"))
+
+
 def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
     return (len(payload).to_bytes(3, "big") + bytes((kind, flags))
             + stream.to_bytes(4, "big") + payload)
@@ -315,9 +326,10 @@ class WireCall:
         within :data:`SPELL` intervals (a rate of ``BUSY / (SPELL * interval)`` or more;
         1,000 a second for 10 ms at the default 5 ms). Outside one, nothing is paced: a
         message after a quiet spell, or at a modest rate (a few per interval), is read as
-        it comes; one in a busy spell waits ``interval`` at most. No wait while ``urgent()`` is true; :meth:`hurry`, a request
-        to send and :meth:`cancel` end one. ``monotonic`` is the clock the spell and the
-        waits are judged by. Call before iterating; ``interval`` 0 turns it off."""
+        it comes; one in a busy spell waits ``interval`` at most. No wait while
+        ``urgent()`` is true; :meth:`hurry`, a request to send and :meth:`cancel` end one.
+        ``monotonic`` is the clock the spell and the waits are judged by. Call before
+        iterating; ``interval`` 0 turns it off."""
         self._pacing, self._urgent, self._monotonic = interval, urgent, monotonic
 
     def hurry(self) -> None:
@@ -417,8 +429,8 @@ class WireCall:
         """Before a wait for the socket: in a busy spell (the last :data:`BUSY` responses
         read within :data:`SPELL` times ``pacing`` seconds), if the last wait delivered
         responses and began less than ``pacing`` seconds ago, wait (on the wake-up socket
-        only) for the rest of that time, unless urgent or etcd's bytes are already waiting (a backlog is read at
-        full speed); see :meth:`pace`."""
+        only) for the rest of that time, unless urgent or etcd's bytes are already waiting
+        (a backlog is read at full speed); see :meth:`pace`."""
         now = self._monotonic()
         delivered = self._delivered
         if delivered:
@@ -588,13 +600,11 @@ class WireCall:
         self._inbuf = buf[pos:]
 
     def _on_settings(self, payload: bytes) -> None:
-        for at in range(0, len(payload) - 5, 6):
-            ident = int.from_bytes(payload[at:at + 2], "big")
-            value = int.from_bytes(payload[at + 2:at + 6], "big")
-            if ident == 4:  # INITIAL_WINDOW_SIZE: moves the open stream's window too
+        for ident, value in settings_of(payload):
+            if ident == SETTINGS_INITIAL_WINDOW_SIZE:  # moves the open stream's window too
                 self._send_window[1] += value - self._peer_initial_window
                 self._peer_initial_window = value
-            elif ident == 5:  # MAX_FRAME_SIZE
+            elif ident == SETTINGS_MAX_FRAME_SIZE:
                 self._max_frame = value
         self._send(_frame(_SETTINGS, _ACK, 0))
 
