@@ -557,12 +557,9 @@ class UnaryChannel:
         headers = static + block
         conn = self._take(deadline)
         try:
-            answer = conn.call(headers, body, deadline)
-        except BaseException:
-            self._give_back(conn)
-            raise
-        self._give_back(conn)
-        return answer
+            return conn.call(headers, body, deadline)
+        finally:
+            self._give_back(conn)  # only a connection still reusable rejoins the pool
 
     def _take(self, deadline: float) -> _Http2:
         """An idle connection that is alive, else a new one (by ``deadline`` at most, and
