@@ -158,7 +158,8 @@ class Watcher:
                 return
             stream.on_stream.add(scope)
             stream.to_send.append(scope)
-            stream.kick.set()
+            if not stream.send_queued():  # else sent from here: no thread woken to send it
+                stream.kick.set()
 
     def rescope(self, scope: Scope) -> None:
         """The cache fell back to the root ``scope`` (opening): read it and restart the
@@ -318,11 +319,16 @@ class Watcher:
             scopes = self._cache.watched_scopes()
             if self._cache.scoped:
                 scopes.insert(0, self._anchor)
-            stream = self._stream = WatchStream(scopes)
+            stream = self._stream = WatchStream(scopes, self._anchor)
         side = self._request_side(stream, endpoint)
         stream.heard = self._clock.monotonic()
         call = side.call = endpoint.watch_stream.Watch(side.requests(),
                                                        metadata=self._conn.metadata())
+        send = getattr(call, "send", None)  # the wire transport's: creates sent directly
+        if send is not None:
+            with self._scopes_lock:
+                stream.send = send
+                stream.send_queued()
         pace = getattr(call, "pace", None)  # the wire transport's; grpcio reads regardless
         if pace is not None and self._config.watch_pacing > 0:
             pace(self._config.watch_pacing, self._cache.awaited, self._clock.monotonic)
@@ -343,7 +349,7 @@ class Watcher:
         config = self._config
         pinging = (getattr(endpoint.watch_stream, "pings", False) and not self._pings_refused
                    and pings_fit(config.ping_interval, config.stall_timeout))
-        return RequestSide(stream, self._scopes_lock, self._anchor, endpoint=endpoint,
+        return RequestSide(stream, self._scopes_lock, endpoint=endpoint,
                            pinging=pinging, conn=self._conn, keyspace=self._keyspace,
                            cache=self._cache, config=config, metrics=self._metrics,
                            clock=self._clock, stopping=self._stopping, revoked=self._revoked)

@@ -64,12 +64,25 @@ class WatchStream:
     asks for automatic ids), but the proxy answers a create that joins a watch it already
     has at once, ahead of an earlier create still waiting for etcd, so answers can come
     out of order. A create etcd refuses outright (permission denied) takes no id; the
-    stream then ends, so the numbering never drifts."""
+    stream then ends, so the numbering never drifts.
+
+    Creates go out in the order they are given ids, by one of two routes, both under the
+    lock: yielded by the request side (its transport's thread sends them), or, once the
+    watcher set :attr:`send` (a transport whose calls take a request from any thread: the
+    wire transport's), sent by whoever queued them (:meth:`send_queued`), with no
+    wake-up of the request side's thread. A create yielded and not yet taken by the
+    transport (``in_flight``) holds the direct route shut until it is: a create sent
+    directly meanwhile would overtake it."""
 
     __slots__ = ("on_stream", "to_send", "awaiting", "by_id", "next_id", "kick",
-                 "progress_wanted", "heard", "progress_answered")
+                 "progress_wanted", "heard", "progress_answered", "send", "in_flight",
+                 "anchor")
 
-    def __init__(self, scopes: list[Scope]) -> None:
+    def __init__(self, scopes: list[Scope], anchor: Scope | None = None) -> None:
+        #: The scope whose watch starts at etcd's current revision (the one internal key
+        #: of a store that watches what it touched); every other watch resumes after what
+        #: its scope applied.
+        self.anchor = anchor
         self.on_stream = set(scopes)
         self.to_send: deque[Scope] = deque(scopes)
         #: Creates sent and not yet answered, by the watch id they will be given.
@@ -87,6 +100,31 @@ class WatchStream:
         #: etcd's: they do not tell). Until then, and for good through a proxy, the stream
         #: does not PING (the proxy would answer for etcd).
         self.progress_answered = False
+        #: The call's ``send(request) -> bool`` (set by the watcher, under the lock, once
+        #: the call exists), for transports whose calls have one; else None.
+        self.send: Callable[[Any], bool] | None = None
+        #: The request side yielded a create its transport has not taken yet.
+        self.in_flight = False
+
+    def create_request(self, scope: Scope) -> Any:
+        """The create of ``scope``'s watch: from what the scope applied, or from etcd's
+        current revision for the anchor."""
+        return etcdapi.watch_create(scope.start, scope.end,
+                                    0 if scope is self.anchor else scope.applied + 1)
+
+    def send_queued(self) -> bool:
+        """Under the lock: send every queued create through :attr:`send` (each recorded
+        as awaiting its answer). False, sending nothing, while there is no ``send`` or a
+        yielded create is in flight: the request side sends them then."""
+        send = self.send
+        if send is None or self.in_flight:
+            return False
+        to_send = self.to_send
+        while to_send:
+            scope = to_send.popleft()
+            self.sent(scope)
+            send(self.create_request(scope))  # False: the call is over, and so the stream
+        return True
 
     def sent(self, scope: Scope) -> None:
         """``scope``'s create was sent: it will be the next watch id."""
@@ -108,18 +146,16 @@ class RequestSide:
     stopping, or after it cancelled ``call`` (``stalled`` or ``denied`` then set). ``call``
     is set by the watcher as soon as the transport returned it.
 
-    ``anchor``: the scope whose watch starts at etcd's current revision (the one internal
-    key of a store that watches what it touched); every other watch resumes after what its
-    scope applied. ``pinging``: liveness by PINGs on this stream (else progress requests).
+    ``pinging``: liveness by PINGs on this stream (else progress requests).
     ``revoked(error)``: etcd denied the credentials (the watcher stops serving)."""
 
-    def __init__(self, stream: WatchStream, lock: threading.Lock, anchor: Scope, *,
+    def __init__(self, stream: WatchStream, lock: threading.Lock, *,
                  endpoint: Any, pinging: bool, conn: Connection, keyspace: KeySpace,
                  cache: CoherentCache, config: StoreConfig,
                  metrics: StoreMetrics | NullMetrics, clock: Clock,
                  stopping: threading.Event,
                  revoked: Callable[[BaseException], None]) -> None:
-        self._stream, self._lock, self._anchor = stream, lock, anchor
+        self._stream, self._lock = stream, lock
         self._endpoint = endpoint
         self.pinging = pinging
         self._clock, self._stopping = clock, stopping
@@ -188,16 +224,17 @@ class RequestSide:
         """The creates queued on this stream, each recorded as awaiting its answer,
         then the progress request a consistent read asked for, if any (checked after
         the kick is cleared, so that a request made at any time is sent)."""
-        stream, anchor = self._stream, self._anchor
+        stream = self._stream
         while True:
             with self._lock:
-                if not stream.to_send:
+                stream.in_flight = False  # the transport took what was yielded before
+                if stream.send_queued() or not stream.to_send:
                     stream.kick.clear()
                     break
                 scope = stream.to_send.popleft()
                 stream.sent(scope)
-            yield etcdapi.watch_create(scope.start, scope.end,
-                                       0 if scope is anchor else scope.applied + 1)
+                stream.in_flight = True
+            yield stream.create_request(scope)
         if stream.progress_wanted:  # a consistent read waits for the watch
             stream.progress_wanted = False
             self._metrics.progress_requests.inc()

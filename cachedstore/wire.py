@@ -36,8 +36,10 @@ never raises: the first iteration connects and reports a failure.
 Threads: one thread iterates a call and does all its socket I/O (TLS objects are not shared
 between threads); a named daemon thread per call consumes the request iterator, as grpcio's
 request-consumer thread does, and hands each message to the reader through a queue and a
-wake-up socket. :meth:`WireCall.cancel` may be called from any thread, any number of times;
-:meth:`WireCall.join` waits for the sender thread, which ends with the request iterator.
+wake-up socket; :meth:`WireCall.send` hands one from the calling thread the same way (the
+watcher's creates: no wake-up of the sender thread for them). :meth:`WireCall.cancel` may be
+called from any thread, any number of times; :meth:`WireCall.join` waits for the sender
+thread, which ends with the request iterator.
 """
 
 from __future__ import annotations
@@ -226,6 +228,8 @@ class WireCall:
         self._thread_name = thread_name
         self._sender: threading.Thread | None = None
         self._sock: socket.socket | ssl.SSLSocket | None = None
+        #: Connected, plaintext, preface and HEADERS sent: send() writes itself (under _io).
+        self._writable = False
         self._poller: Any = None  # select.epoll: the socket and the wake-up socket
         self._polled_for_write = False
         self._wake_r, self._wake_w = socket.socketpair()
@@ -233,7 +237,10 @@ class WireCall:
         self._wake_w.setblocking(False)
         self._wake_fd = self._wake_r.fileno()
         self._lock = threading.Lock()  # guards _outbox, _cancelled, _abort
-        self._outbox: deque[bytes] = deque()  # request messages from the sender thread
+        #: Guards the sending side (_waiting, _unsent, the send windows, writes to the
+        #: socket), which send() shares with the reader; taken before _lock, never after.
+        self._io = threading.RLock()
+        self._outbox: deque[bytes] = deque()  # request messages: the sender thread's, send()'s
         self._waiting: deque[bytes] = deque()  # taken from the outbox, not yet framed
         self._cancelled = False
         self._abort: WireError | None = None  # set by the sender thread
@@ -306,6 +313,37 @@ class WireCall:
             if cancelled:
                 self._close()
 
+    def send(self, request: Any) -> bool:
+        """Send ``request`` (a message) from the calling thread, behind every message
+        queued before it (the sender thread's too): on a connected plaintext stream it is
+        framed and written here, as far as the send windows and the socket take it, and
+        neither the reading nor the sender thread is woken; otherwise (not connected yet,
+        TLS, whose objects are not shared between threads) it is queued for the reading
+        thread, which is woken. For requests whose order matters against the iterator's,
+        the caller orders them (see ``watchstream.WatchStream``). Thread-safe, does not
+        block (the socket is non-blocking; what it does not take, the reader writes).
+        False, nothing sent, once the call is over."""
+        data = request.SerializeToString()
+        message = b"\0" + len(data).to_bytes(4, "big") + data
+        with self._io, self._lock:  # (the order every thread takes them in)
+            if self._cancelled:  # also set by _close, before the socket is closed
+                return False
+            if not self._writable or self._outbox:
+                self._outbox.append(message)
+                self._wake_locked()
+                return True
+            self._waiting.append(message)  # behind any message still waiting for credit
+            try:
+                self._write_waiting()
+            except OSError:  # the connection is lost: the reader finds out and says so
+                self._wake_locked()
+                return True
+            # The reader: to wait for credit or the socket; or to read the answer now,
+            # not after a pacing wait (a request to send ends one, see pace()).
+            if self._waiting or self._unsent or self._pacing_now:
+                self._wake_locked()
+        return True
+
     def cancel(self) -> None:
         """End the call: a blocked or later iteration raises CANCELLED (unless it already
         ended). Thread-safe, idempotent, does not block."""
@@ -370,6 +408,9 @@ class WireCall:
                    + _frame(_WINDOW_UPDATE, 0, 0, (WINDOW - _DEFAULT_WINDOW).to_bytes(4, "big"))
                    + _frame(_HEADERS, _END_HEADERS, _STREAM,
                             header_block(self._headers)))
+        if self._tls is None:  # send() may write from now on (behind the preface)
+            with self._io:
+                self._writable = True
         self._sender = threading.Thread(target=self._consume_requests,
                                         name=self._thread_name, daemon=True)
         self._sender.start()
@@ -378,30 +419,24 @@ class WireCall:
         """Wait for the socket or the sender, then read and answer what arrived."""
         sock, poller = self._sock, self._poller
         assert sock is not None
-        if self._outbox or self._pings or self._cancelled or self._abort is not None:
-            with self._lock:  # (the peek above is unlocked)
-                cancelled, abort = self._cancelled, self._abort
-                outbox, self._outbox = self._outbox, deque()
-                pings, self._pings = self._pings, 0
-            if abort is not None:
-                self._fail(abort.code(), abort.details())
-            if cancelled:
-                self._fail(grpc.StatusCode.CANCELLED, "cancelled")
-            self._waiting.extend(outbox)
-            for _ in range(pings):  # control frames: no flow control, ahead of messages
-                self._send(_frame(_PING, 0, 0, b"cachedst"))
-        while self._waiting and not self._half_closed:
-            rest = self._frame_request(self._waiting[0])
-            if rest:  # the windows are full: the rest waits for etcd's credit
-                self._waiting[0] = rest
-                break
-            self._waiting.popleft()
-        if self._unsent:
-            self._flush()
-        if self._polled_for_write != bool(self._unsent):
-            self._polled_for_write = bool(self._unsent)
-            poller.modify(sock.fileno(), select.EPOLLIN
-                          | (select.EPOLLOUT if self._unsent else 0))
+        with self._io:
+            if self._outbox or self._pings or self._cancelled or self._abort is not None:
+                with self._lock:  # (the peek above is unlocked)
+                    cancelled, abort = self._cancelled, self._abort
+                    outbox, self._outbox = self._outbox, deque()
+                    pings, self._pings = self._pings, 0
+                if abort is not None:
+                    self._fail(abort.code(), abort.details())
+                if cancelled:
+                    self._fail(grpc.StatusCode.CANCELLED, "cancelled")
+                self._waiting.extend(outbox)
+                for _ in range(pings):  # control frames: no flow control, ahead of messages
+                    self._send(_frame(_PING, 0, 0, b"cachedst"))
+            self._write_waiting()
+            if self._polled_for_write != bool(self._unsent):
+                self._polled_for_write = bool(self._unsent)
+                poller.modify(sock.fileno(), select.EPOLLIN
+                              | (select.EPOLLOUT if self._unsent else 0))
         if self._pacing:
             self._pace()
         if not (self._tls is not None and sock.pending()):  # type: ignore[attr-defined]
@@ -526,6 +561,19 @@ class WireCall:
                                         "exception iterating requests")
         self._wake()
 
+    def _write_waiting(self) -> None:
+        """Frame the waiting messages as far as the send windows allow and write what the
+        socket takes (under ``_io``)."""
+        waiting = self._waiting
+        while waiting and not self._half_closed:
+            rest = self._frame_request(waiting[0])
+            if rest:  # the windows are full: the rest waits for etcd's credit
+                waiting[0] = rest
+                break
+            waiting.popleft()
+        if self._unsent:
+            self._flush()
+
     def _frame_request(self, message: bytes) -> bytes:
         """Frame as much of one request message (b"": end of requests) as the send
         windows allow, in frames of at most the peer's frame size; return the part that
@@ -545,8 +593,9 @@ class WireCall:
         return message[room:]
 
     def _send(self, data: bytes) -> None:
-        self._unsent += data
-        self._flush()
+        with self._io:
+            self._unsent += data
+            self._flush()
 
     def _flush(self) -> None:
         sock = self._sock
@@ -586,7 +635,8 @@ class WireCall:
             elif kind == _WINDOW_UPDATE:
                 credit = int.from_bytes(payload[:4], "big") & 0x7FFF_FFFF
                 if stream in (0, _STREAM):
-                    self._send_window[stream] += credit
+                    with self._io:
+                        self._send_window[stream] += credit
             elif kind == _RST_STREAM and stream == _STREAM:
                 code = int.from_bytes(payload[:4], "big")
                 self._fail(_RST_CODES.get(code, grpc.StatusCode.INTERNAL),
@@ -600,13 +650,14 @@ class WireCall:
         self._inbuf = buf[pos:]
 
     def _on_settings(self, payload: bytes) -> None:
-        for ident, value in settings_of(payload):
-            if ident == SETTINGS_INITIAL_WINDOW_SIZE:  # moves the open stream's window too
-                self._send_window[1] += value - self._peer_initial_window
-                self._peer_initial_window = value
-            elif ident == SETTINGS_MAX_FRAME_SIZE:
-                self._max_frame = value
-        self._send(_frame(_SETTINGS, _ACK, 0))
+        with self._io:
+            for ident, value in settings_of(payload):
+                if ident == SETTINGS_INITIAL_WINDOW_SIZE:  # moves the stream's window too
+                    self._send_window[1] += value - self._peer_initial_window
+                    self._peer_initial_window = value
+                elif ident == SETTINGS_MAX_FRAME_SIZE:
+                    self._max_frame = value
+            self._send(_frame(_SETTINGS, _ACK, 0))
 
     def _on_data(self, stream: int, flags: int, payload: bytes) -> None:
         self._uncredited += len(payload)

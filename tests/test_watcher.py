@@ -376,6 +376,54 @@ def test_the_loop_resyncs_a_compacted_scope_from_a_fresh_revision(rig: Rig) -> N
     assert not rig.watcher._thread.is_alive() and not rig.watcher.up
 
 
+def test_a_create_sent_directly_never_overtakes_one_the_request_side_yielded() -> None:
+    """With a transport whose calls take requests from any thread (the wire transport's
+    ``send``), creates go out from where they are queued, in the order of their ids. A
+    create the request side yielded and its transport has not taken yet holds that route
+    shut: etcd numbers watches in the order creates arrive, so one sent meanwhile would
+    get the other's id, and its scope the other's events."""
+    rig = Rig(scoped=True)
+    try:
+        scopes = []
+        for name in ("a", "b", "c"):
+            scope = rig.cache.begin_scope(name, rig.keys.key(name), b"")
+            rig.cache.open_scope(scope, 10, [])
+            scopes.append(scope)
+        a, b, c = scopes
+        lock = threading.Lock()
+        stream = WatchStream([a], rig.watcher._anchor)
+        side = RequestSide(stream, lock, endpoint=rig.stubs, pinging=False, conn=rig.conn,
+                           keyspace=rig.keys, cache=rig.cache, config=rig.config,
+                           metrics=rig.metrics, clock=rig.clock, stopping=threading.Event(),
+                           revoked=lambda error: None)
+        wire: list[Any] = []  # what reached the transport, in order
+
+        def send(request: Any) -> bool:
+            wire.append(request)
+            return True
+
+        creates = side._creates()
+        first = next(creates)  # a's create, yielded: in flight
+        with lock:  # the watcher's add() of b, with the call's send known by now
+            stream.send = send
+            stream.on_stream.add(b)
+            stream.to_send.append(b)
+            assert not stream.send_queued()  # held back behind a's
+        assert wire == []
+        wire.append(first)  # the transport takes a's create, then asks for more ...
+        with pytest.raises(StopIteration):
+            next(creates)  # ... and b's is sent directly, behind it
+        with lock:  # a later add() sends at once
+            stream.to_send.append(c)
+            assert stream.send_queued()
+        assert [r.create_request.key for r in wire] == [rig.keys.key(n) for n in "abc"]
+        assert [r.create_request.start_revision for r in wire] == [11, 11, 11]
+        assert stream.awaiting == {0: a, 1: b, 2: c}
+        assert not stream.to_send and not stream.kick.is_set()
+    finally:
+        rig.close()
+
+
 # -- the request side ----------------------------------------------------------------------
 class _Side:
     """A RequestSide of a one-scope stream, iterated on a thread of its own (as the
@@ -384,11 +432,11 @@ class _Side:
     def __init__(self, rig: Rig) -> None:
         self.rig = rig
         self.clock = rig.clock
-        self.stream = WatchStream(rig.cache.watched_scopes())
+        self.stream = WatchStream(rig.cache.watched_scopes(), rig.watcher._anchor)
         self.call = ScriptedCall(iter(()), 0, (), HANG)
         self.revoked: list[BaseException] = []
         self.side = RequestSide(
-            self.stream, threading.Lock(), rig.watcher._anchor, endpoint=rig.stubs,
+            self.stream, threading.Lock(), endpoint=rig.stubs,
             pinging=False, conn=rig.conn, keyspace=rig.keys, cache=rig.cache,
             config=rig.config, metrics=rig.metrics, clock=rig.clock,
             stopping=threading.Event(), revoked=self.revoked.append)

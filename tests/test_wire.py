@@ -569,6 +569,41 @@ def test_a_scope_opened_while_pacing_has_its_create_answered(etcd: LocalEtcd,
         client.close()
 
 
+def test_send_writes_from_the_calling_thread_on_a_plaintext_stream(etcd: LocalEtcd,
+                                                                   prefix: str) -> None:
+    """``WireCall.send`` on a connected plaintext stream writes the request itself: etcd
+    answers it while no thread reads the call and the sender thread waits in the request
+    iterator (a request queued for the reader would wait for the next read)."""
+    done = threading.Event()
+    call = _stub(etcd.endpoint).Watch(_requests(_create(prefix), then=done))
+    try:
+        first = next(call)
+        assert first.created and first.watch_id == 0
+        assert call.send(_create(prefix + "more/"))
+        eventually(lambda: _unread_bytes(call) > 0, what="etcd's answer in the socket")
+        second = next(call)
+        assert second.created and second.watch_id == 1
+    finally:
+        done.set()
+        call.cancel()
+    assert not call.send(_create(prefix)), "a call that is over sends nothing"
+
+
+def test_a_request_sent_before_the_call_connects_follows_its_handshake(
+        etcd: LocalEtcd, prefix: str) -> None:
+    """Before the first iteration connects, ``send`` queues the request for the reader,
+    which sends it behind the connection preface and the call's HEADERS."""
+    done = threading.Event()
+    call = _stub(etcd.endpoint).Watch(_requests(then=done))
+    try:
+        assert call.send(_create(prefix))
+        response = next(call)
+        assert response.created and response.watch_id == 0
+    finally:
+        done.set()
+        call.cancel()
+
+
 def test_a_backlog_is_read_at_full_speed(etcd: LocalEtcd, prefix: str) -> None:
     """A pacing reader that finds etcd's bytes already waiting after a read (more than one
     read's worth arrived) reads on without pacing; it paces once the socket is drained."""

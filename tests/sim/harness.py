@@ -243,6 +243,19 @@ class SimWatchCall:
             self.sim.note(f"watch request failed on store {self.store.index}: {exc!r}")
             self.fail(SimRpcError(grpc.StatusCode.INTERNAL, f"request refused: {exc}"))
 
+    def send(self, request: Any) -> bool:
+        """A request sent from the caller's thread (the wire transport's ``send``, which
+        the watcher uses for creates): straight to the model, behind what came before."""
+        if self.closed:
+            return False
+        try:
+            with self.sim.model_lock:
+                self.model_stream.send(request)
+        except Exception as exc:  # the model refused it: the stream fails, as in _send
+            self.sim.note(f"watch request failed on store {self.store.index}: {exc!r}")
+            self.fail(SimRpcError(grpc.StatusCode.INTERNAL, f"request refused: {exc}"))
+        return True
+
     # -- the scheduler's side -------------------------------------------------------------
     def hand(self, response: Any) -> None:
         with self.sim.cond:
