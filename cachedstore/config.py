@@ -336,9 +336,10 @@ class StoreConfig:
     #: besides its watch's (one idle over 120 s is replaced, not reused; a store that
     #: reads nothing while it is built opens its first one then). ``"grpc"``:
     #: through grpcio (one connection; honours grpcio's proxy environment variables).
-    #: Both work with TLS, auth and etcd's grpc-proxy. A read-only Txn left to finish
-    #: past its caller's wait (etcd < 3.5.5 must not see it cancelled) always runs on
-    #: grpcio.
+    #: Both work with TLS, auth and etcd's grpc-proxy, and both leave a read-only Txn
+    #: to finish past its caller's wait (etcd < 3.5.5 must not see it cancelled): on its
+    #: own connection (``"wire"``; a thread reads the answer, then pools the connection)
+    #: or as a grpcio future.
     unary_transport: str = "wire"
     #: Retry policy of the watch stream and of connection attempts.
     backoff: Backoff = field(default_factory=Backoff)

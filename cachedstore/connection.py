@@ -305,8 +305,9 @@ class Connection:
                            metadata: tuple[tuple[str, str], ...]) -> Any:
         """A read-only Txn whose caller gives it ``wait`` seconds, clearly less than
         ``request_timeout`` (a blocking read near its deadline: torch's ``wait``/``check``
-        of several names, a scope opening): its answer is waited for that long, but the
-        RPC is not cancelled when it is late. etcd before 3.5.5 panics (and exits) when a
+        of several names, a scope opening), on grpcio (the wire transport does the same
+        itself: ``UnaryChannel.method``'s ``patience``): its answer is waited for that
+        long, but the RPC is not cancelled when it is late. etcd before 3.5.5 panics (and exits) when a
         read-only Txn is cancelled while it executes (etcd-io/etcd#14110): one overloaded
         client could take the member down. The RPC runs on, with ``request_timeout`` as
         its deadline (which etcd enforces on its side too: a read still running then can
@@ -501,6 +502,9 @@ class Connection:
         Raises grpc.RpcError, or ValueError for a closed channel."""
         if (method == "txn" and timeout < _SHORT * self._config.request_timeout
                 and _read_only(request)):
+            if ep.unary is not None:  # the wire transport leaves it running itself
+                return ep.kv.Txn(request, timeout=self._config.request_timeout,
+                                 metadata=metadata, patience=timeout)
             return self._txn_not_cancelled(ep, request, timeout, metadata)
         return _rpc(ep, method)(request, timeout=timeout, metadata=metadata)
 
@@ -538,6 +542,10 @@ class Connection:
                 future.exception(timeout=left)
             except Exception:  # FutureTimeoutError, or cancelled: closing anyway
                 break
+        for ep in list(self._endpoints):
+            unary = ep.unary
+            if unary is not None:
+                unary.drain(max(0.0, drain_until - time.monotonic()))
         with self._lock:
             self._closed = True
             channels = [ep.channel for ep in self._endpoints if ep.channel is not None]
@@ -550,6 +558,13 @@ class Connection:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def reads_left_running(self) -> int:
+        """Read-only Txns left to finish after their callers stopped waiting (see
+        :meth:`_txn_not_cancelled`), still running."""
+        return len(self._unfinished) + sum(
+            ep.unary.unfinished for ep in list(self._endpoints) if ep.unary is not None)
 
 
 _METHODS: dict[str, tuple[str, str]] = {

@@ -22,12 +22,14 @@ the details :mod:`cachedstore.etcdapi` classifies): UNAVAILABLE "failed to conne
 a connection that could not be made (the request never left: retried even when it must
 not be sent twice), UNAVAILABLE "connection ... lost" once it may have been sent,
 DEADLINE_EXCEEDED when the call's timeout passes (the connection is then closed, which
-cancels the call on etcd's side, as grpcio's RST_STREAM does), and the status of the
+cancels the call on etcd's side, as grpcio's RST_STREAM does; a call given a ``patience``
+is instead left to finish, see :meth:`UnaryChannel.method`), and the status of the
 trailers otherwise. A connection that etcd closed while it sat in the pool, or idle longer
 than :data:`MAX_IDLE`, is never reused.
 
 Thread-safety: :class:`UnaryChannel` may be used from any number of threads; ``close()``
-from any thread ends the calls in flight (UNAVAILABLE). After a fork the child's copy
+from any thread ends the calls in flight (UNAVAILABLE), those left to finish included (their
+threads, ``cachedstore-unary-finish``, end then; ``drain()`` waits for them first). After a fork the child's copy
 closes nothing it shares with the parent.
 """
 
@@ -221,11 +223,15 @@ class _Http2:
             raise ConnectionError("the server went away (GOAWAY) at once")
 
     # -- a call -----------------------------------------------------------------------------
-    def call(self, headers: bytes, body: bytes, deadline: float) -> bytes:
+    def call(self, headers: bytes, body: bytes, deadline: float,
+             patience: float | None = None) -> bytes:
         """Send one request (``headers``: its header block, less ``grpc-timeout``, added
         here from ``deadline``) and return the response message's bytes. Raises WireError;
         on any error but a status from etcd the connection is left unusable (``reusable``
-        False). Nothing is sent once ``deadline`` has passed (UNAVAILABLE, never sent)."""
+        False). Nothing is sent once ``deadline`` has passed (UNAVAILABLE, never sent).
+        ``patience`` (a ``time.monotonic()`` value before ``deadline``): once the request
+        is sent whole, the answer is waited for until then only, and :class:`_Late` is
+        raised with the call still running (see :meth:`finish`)."""
         self._started = now = time.monotonic()
         if now >= deadline:
             raise WireError(grpc.StatusCode.UNAVAILABLE, f"failed to connect to "
@@ -266,7 +272,15 @@ class _Http2:
                     self.reusable = False
                     break
             while self._status is None:
-                self._read(stream, deadline)
+                if patience is None or patience >= deadline:
+                    self._read(stream, deadline)
+                    continue
+                try:
+                    self._read(stream, patience)
+                except TimeoutError:
+                    raise _Late from None
+        except _Late:
+            raise  # the call runs on: the connection stays as it is, for finish()
         except WireError:
             self.reusable = False
             raise
@@ -292,6 +306,16 @@ class _Http2:
             self.reusable = False
             raise WireError(grpc.StatusCode.INTERNAL, "the response is not one whole message")
         return message_bytes[5:]
+
+    def finish(self, deadline: float) -> None:
+        """Read the rest of the call a :class:`_Late` left running (up to ``deadline``,
+        its own) and drop its answer; the connection stays reusable if the call ended
+        cleanly. Never raises."""
+        try:
+            while self._status is None:
+                self._read(self._stream, deadline)
+        except BaseException:  # noqa: BLE001 -- the answer is dropped; so is the connection
+            self.reusable = False
 
     def _read(self, stream: int, deadline: float) -> None:
         """Wait for what etcd sends (up to ``deadline``, a ``time.monotonic()`` value) and
@@ -510,6 +534,10 @@ class _Http2:
         self.sock.close()
 
 
+class _Late(Exception):
+    """A patient call's caller stopped waiting; the call runs on (:meth:`_Http2.finish`)."""
+
+
 class UnaryChannel:
     """Unary calls to one endpoint ``target`` (``host:port`` or ``[v6]:port``) over pooled
     HTTP/2 connections; ``tls``: a client SSL context speaking h2 (None: plaintext).
@@ -530,36 +558,92 @@ class UnaryChannel:
         self._pid = os.getpid()
         #: Connections opened so far (tests count them against a proxy's accepts).
         self.opened = 0
+        #: Threads finishing calls whose callers stopped waiting (see method()).
+        self._finishing: set[threading.Thread] = set()
         self._metadata_blocks: dict[tuple[tuple[str, str], ...], bytes] = {}
 
     def method(self, path: str, deserialize: Callable[[bytes], Any]) -> Callable[..., Any]:
-        """``path`` (``/etcdserverpb.KV/Range``) as ``f(request, timeout=, metadata=)``,
-        which blocks up to ``timeout`` seconds and returns the decoded response."""
+        """``path`` (``/etcdserverpb.KV/Range``) as ``f(request, timeout=, metadata=,
+        patience=)``, which blocks up to ``timeout`` seconds and returns the decoded
+        response. With ``patience`` (seconds, less than ``timeout``) the caller waits that
+        long for the answer at most: then DEADLINE_EXCEEDED is raised and the call is left
+        to finish, never cancelled (etcd before 3.5.5 panics when a read-only Txn is
+        cancelled while it executes, etcd-io/etcd#14110), on a thread of its own
+        (``cachedstore-unary-finish``) that reads its answer, drops it and gives the
+        connection back; the call keeps ``timeout`` as its deadline, which etcd enforces
+        too. :meth:`drain` waits for such calls."""
         static = header_block(((":method", "POST"), (":scheme", self._scheme),
                                (":path", path), (":authority", self._target),
                                ("content-type", "application/grpc"), ("te", "trailers"),
                                ("user-agent", "cachedstore-wire")))
 
         def call(request: Any, timeout: float | None = None,
-                 metadata: tuple[tuple[str, str], ...] = ()) -> Any:
+                 metadata: tuple[tuple[str, str], ...] = (),
+                 patience: float | None = None) -> Any:
             return deserialize(self._call(static, request.SerializeToString(), timeout,
-                                          metadata))
+                                          metadata, patience))
         return call
 
     def _call(self, static: bytes, body: bytes, timeout: float | None,
-              metadata: tuple[tuple[str, str], ...]) -> bytes:
-        deadline = time.monotonic() + (86_400.0 if timeout is None else max(timeout, 0.0))
+              metadata: tuple[tuple[str, str], ...], patience: float | None = None) -> bytes:
+        now = time.monotonic()
+        deadline = now + (86_400.0 if timeout is None else max(timeout, 0.0))
         block = self._metadata_blocks.get(metadata)
         if block is None:
             block = header_block((k.lower(), v) for k, v in metadata)
             if len(self._metadata_blocks) < 16:  # a token per renewal: a few at most
                 self._metadata_blocks[metadata] = block
         headers = static + block
-        conn = self._take(deadline)
+        patient_until = None if patience is None else now + max(patience, 0.0)
+        conn = self._take(deadline if patient_until is None else min(deadline, patient_until))
+        left_running = False
         try:
-            return conn.call(headers, body, deadline)
+            return conn.call(headers, body, deadline, patient_until)
+        except _Late:
+            self._leave_running(conn, deadline)
+            left_running = True
+            raise WireError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            "Deadline Exceeded (the call was left to finish)") from None
         finally:
-            self._give_back(conn)  # only a connection still reusable rejoins the pool
+            if not left_running:
+                self._give_back(conn)  # only a connection still reusable rejoins the pool
+
+    def _leave_running(self, conn: _Http2, deadline: float) -> None:
+        """Hand ``conn``, whose call's caller stopped waiting, to a thread that finishes
+        the call (by ``deadline``) and gives the connection back."""
+        def finish() -> None:
+            try:
+                conn.finish(deadline)
+            finally:
+                self._give_back(conn)
+                with self._lock:
+                    self._finishing.discard(thread)
+
+        thread = threading.Thread(target=finish, name="cachedstore-unary-finish",
+                                  daemon=True)
+        with self._lock:
+            self._finishing.add(thread)
+        thread.start()
+
+    @property
+    def unfinished(self) -> int:
+        """Calls left to finish (see :meth:`method`) still running."""
+        with self._lock:
+            return len(self._finishing)
+
+    def drain(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the calls left to finish; True if none is
+        left. Thread-safe."""
+        until = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                threads = list(self._finishing)
+            if not threads:
+                return True
+            left = until - time.monotonic()
+            if left <= 0:
+                return False
+            threads[0].join(left)
 
     def _take(self, deadline: float) -> _Http2:
         """An idle connection that is alive, else a new one (by ``deadline`` at most, and
@@ -613,6 +697,7 @@ class UnaryChannel:
         """In a forked child: forget the parent's connections (closing only our copies of
         their sockets) and its lock (a parent thread may have held it)."""
         self._lock = threading.Lock()
+        self._finishing = set()  # the parent's threads: not in this process
         conns, self._open, self._idle = list(self._open), set(), []
         self._pid = os.getpid()
         for conn in conns:

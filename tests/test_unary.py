@@ -360,6 +360,52 @@ def test_a_silent_peer_times_the_call_out_and_the_connection_is_dropped() -> Non
         peer.close()
 
 
+def test_a_patient_call_is_left_running_past_its_callers_wait() -> None:
+    """With ``patience``, a call whose answer is late raises DEADLINE_EXCEEDED once the
+    caller's patience is over, and is not cancelled: its connection stays open (etcd
+    before 3.5.5 panics on a read-only Txn cancelled while it executes) on a thread that
+    waits for the answer; ``drain`` waits for that thread, ``close`` ends it."""
+    peer, done = _silent_peer()
+    channel, rpc = _channel(peer.target)
+    try:
+        error, took = _fails(lambda request, timeout: rpc.txn(request, timeout=60,
+                                                              patience=timeout),
+                             etcdrpc.TxnRequest(), 0.2)
+        assert error.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "left to finish" in error.details()
+        assert 0.15 <= took < 1.5, took
+        assert channel.unfinished == 1 and len(channel._open) == 1  # still open
+        finishing = next(iter(channel._finishing))
+        assert finishing.name == "cachedstore-unary-finish" and finishing.daemon
+        assert not channel.drain(0.2)  # the peer never answers
+        channel.close()  # ends it: the connection is shut down
+        assert channel.drain(5) and channel.unfinished == 0
+    finally:
+        done.set()
+        channel.close()
+        peer.close()
+
+
+def test_a_call_left_running_gives_its_connection_back_when_answered(etcd: LocalEtcd,
+                                                                      prefix: str) -> None:
+    """A call left to finish that etcd then answers puts its connection back in the pool
+    (the next call opens none)."""
+    channel, rpc = _channel(_target(etcd))
+    try:
+        rpc.put(etcdrpc.PutRequest(key=prefix.encode() + b"k", value=b"v"), timeout=5)
+        assert channel.opened == 1
+        # A patience of 0: the caller stops waiting as soon as the request is sent.
+        with pytest.raises(WireError) as caught:
+            rpc.txn(etcdrpc.TxnRequest(), timeout=5, patience=0)
+        assert caught.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert channel.drain(5)
+        assert len(channel._idle) == 1
+        rpc.range(etcdrpc.RangeRequest(key=prefix.encode() + b"k"), timeout=5)
+        assert channel.opened == 1
+    finally:
+        channel.close()
+
+
 def test_a_silent_tls_peer_times_the_call_out(tmp_path: Path) -> None:
     """Over TLS too, the deadline holds, and a pooled TLS connection is reused: a peer that
     answers the handshake and the first call, then stays silent."""

@@ -44,15 +44,18 @@ def _fill(server: LocalEtcd, prefix: bytes) -> None:
                 for i in range(128)]))
 
 
-def test_a_late_read_only_txn_is_not_cancelled(etcd_factory: Callable[..., LocalEtcd]
-                                               ) -> None:
+@pytest.mark.parametrize("transport", ["wire", "grpc"])
+def test_a_late_read_only_txn_is_not_cancelled(etcd_factory: Callable[..., LocalEtcd],
+                                               transport: str) -> None:
     """Reads given at most half the time etcd needs for them, each late: each raises
-    EtcdConnectionError, and etcd is still up (with the call cancelled instead, the first
-    one killed it). Only meaningful on etcd 3.5.0-3.5.4, which the tests run."""
+    EtcdConnectionError, and etcd is still up (with grpcio's call cancelled instead, the
+    first one killed it). Only meaningful on etcd 3.5.0-3.5.4, which the tests run. On the
+    wire transport each late read runs on to its answer on its connection, which is
+    then reused (closing it to end the call would open a new one for every read)."""
     server = etcd_factory()
     prefix = b"/slow/"
     _fill(server, prefix)
-    config = StoreConfig(request_timeout=10.0)
+    config = StoreConfig(request_timeout=10.0, unary_transport=transport)
     conn = Connection([split(server.endpoint)], Credentials(), config, NullMetrics())
     try:
         version = conn.call("status", etcdapi.status(), deadline=conn.deadline()).version
@@ -66,10 +69,20 @@ def test_a_late_read_only_txn_is_not_cancelled(etcd_factory: Callable[..., Local
         full = min(durations)
         waits = [w for w in (0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05) if w <= full / 2]
         assert len(waits) >= 3, f"the read took only {full:.3f} s: nothing would be late"
+        unary = conn.endpoint()[1].unary
+        opened = unary.opened if unary is not None else 0
         for wait in waits:
             with pytest.raises(EtcdConnectionError):
                 conn.call("txn", _slow_read(prefix), deadline=conn.deadline(wait))
-        wait_until(lambda: not conn._unfinished, 20, "the late reads to finish at etcd")
+            assert conn.reads_left_running >= 1, "the late read was not left running"
+        wait_until(lambda: not conn.reads_left_running, 20,
+                   "the late reads to finish at etcd")
+        if unary is not None:  # the late reads' connections came back to the pool
+            conn.call("txn", _slow_read(prefix), deadline=conn.deadline())
+            # The first late read took the warm connection; each later one a connection
+            # of its own at most (the reads before it still running); the last read, a
+            # pooled one.
+            assert unary.opened - opened <= len(waits) - 1
         assert server.running, "etcd exited: a cancelled read-only Txn (etcd-io/etcd#14110)"
         assert conn.call("txn", _slow_read(prefix), deadline=conn.deadline()).succeeded
     finally:
