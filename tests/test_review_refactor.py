@@ -58,13 +58,13 @@ def test_consistent_amget_of_a_duplicated_name_counts_no_phantom_miss(etcd, pref
 
 # -- torch: a blocking get whose deadline passes during its mget ----------------------------
 def test_torch_get_whose_deadline_passes_during_the_mget_raises_torchs_timeout(etcd, prefix):
-    """``TorchEtcdStore._get_blocking`` hands ``deadline - now`` to ``_wait_present``; once
-    the mget before it outlasted the deadline, that is negative. 9377ab8's
-    ``_wait_present`` made it a deadline in the past and raised StoreTimeoutError (torch's
-    "wait timeout"); now it is passed as ``timeout=`` to ``EtcdStore.wait_until``, whose
-    ``seconds()`` refuses a negative timeout with InvalidInputError, which torch reports as
-    a plain DistStoreError that is not a timeout ("timeout must be at least 0 seconds").
-    ``multi_get`` takes that path (``get`` of an absent key waits without the mget now)."""
+    """``TorchEtcdStore._get_blocking`` waits ``deadline - now`` after its mget; once the
+    mget outlasted the deadline, that is negative. 9377ab8 made it a deadline in the past
+    and raised StoreTimeoutError (torch's "wait timeout"); passed as it is as ``timeout=``
+    to ``EtcdStore.wait_until``, whose ``seconds()`` refuses a negative timeout with
+    InvalidInputError, torch would report a plain DistStoreError that is not a timeout
+    ("timeout must be at least 0 seconds"). ``multi_get`` takes that path (``get`` of an
+    absent key waits without the mget)."""
     import torch
 
     from cachedstore.torch import TorchEtcdStore

@@ -116,6 +116,40 @@ def test_get_of_absent_key_blocks_on_the_watch_until_another_process_sets_it(
         reader.join(10)
 
 
+def test_a_blocking_get_answers_with_the_look_that_finds_the_key(etcd, prefix):
+    """A torch ``get`` of an absent key looks it up once after registering its waiter
+    (a put in between wakes it) and once per wake: the look that finds the key returns
+    its value. No ``wait`` of the store in between, nor a read after the wake."""
+    with TorchEtcdStore(endpoints=[etcd.endpoint], prefix=prefix) as tstore:
+        other = _another(etcd, prefix)
+        store = tstore.etcd_store
+        calls: list[str] = []
+        for method in ("get", "mget", "wait"):
+            original = getattr(store, method)
+
+            def counted(*args, _original=original, _method=method, **kwargs):
+                calls.append(_method)
+                return _original(*args, **kwargs)
+
+            setattr(store, method, counted)
+        results: list[bytes] = []
+        reader = threading.Thread(target=lambda: results.append(tstore.get("late")),
+                                  name="test-blocked-get")
+        reader.start()
+        try:
+            eventually(lambda: store.stats()["waiters"] >= 1 and len(calls) >= 2,
+                       what="the waiter registered, then the key looked up")
+            looked = list(calls)
+            other.set("late", "here")
+            reader.join(10)
+            assert results == [b"here"]
+            assert looked == ["get", "mget"], looked  # the get, the look after registering
+            assert calls[len(looked):] and set(calls[len(looked):]) == {"mget"}, calls
+        finally:
+            other.close()
+            reader.join(10)
+
+
 def test_timeouts_raise_dist_store_error(tstore):
     tstore.set_timeout(timedelta(milliseconds=200))
     started = time.monotonic()

@@ -352,20 +352,31 @@ class TorchEtcdStore(dist.Store):
                       absent: bool = False) -> list[bytes]:
         """The values of ``names``, waiting (on the watch, within ``wait`` seconds) for the
         absent ones (``absent``: the caller just found every name absent, so the first
-        step waits at once). Each wait step ends at the deadline without another etcd
-        read."""
+        step waits at once): the look that finds them all present answers, no other
+        follows. StoreTimeoutError at the deadline, without another etcd read."""
         clock = self._clock
         deadline = clock.monotonic() + wait
-        missing = list(names)
-        while True:
-            if not absent:
-                values = self._etcd.mget(names, None, timeout=0)
-                missing = [n for n, v in zip(names, values, strict=True) if v is None]
-                if not missing:
-                    return values
-            absent = False
-            self._wait_present(missing, deadline - clock.monotonic(), queues_count=False,
-                               looked=True)
+        missing = names
+        if not absent:
+            values = self._etcd.mget(names, None, timeout=0)
+            missing = [n for n, v in zip(names, values, strict=True) if v is None]
+            if not missing:
+                return values
+        found: list[bytes] = []
+
+        def ready() -> bool:
+            # The values themselves: the read that finds every name present answers.
+            values = self._etcd.mget(names, None, timeout=0)
+            if any(v is None for v in values):
+                return False
+            found[:] = values
+            return True
+
+        # Asked at once (the waiters are registered first: a put since the look above
+        # wakes them), then at every change of a missing name, until the deadline.
+        self._etcd.wait_until(ready, names=list(dict.fromkeys(missing)),
+                              timeout=max(0.0, deadline - clock.monotonic()), clock=clock)
+        return found
 
     def add(self, key: str, value: int) -> int:
         """Atomically add ``value`` to the integer under ``key`` (0 if absent); return it.
@@ -462,30 +473,26 @@ class TorchEtcdStore(dist.Store):
         self._until_deadline(f"keys: {list(keys)!r}", self._wait_seconds(timeout),
                              lambda left: self._wait_present(names, left))
 
-    def _wait_present(self, names: list[str | bytes], wait: float,
-                      queues_count: bool = True, looked: bool = False) -> None:
-        """Block until every name exists (as a key, or with ``queues_count`` as a
-        non-empty queue), woken by the watch; StoreTimeoutError after ``wait`` seconds,
-        raised at the deadline without reading etcd again. ``looked``: the caller just
-        found ``names`` absent (and opened their scopes), so none is looked up twice."""
+    def _wait_present(self, names: list[str | bytes], wait: float) -> None:
+        """Block until every name exists (as a key or as a non-empty queue), woken by the
+        watch; StoreTimeoutError after ``wait`` seconds, raised at the deadline without
+        reading etcd again."""
         # Watching what it touched: the keys' scopes and the queues' in one read.
-        opened = self._etcd.queues.open_directory(names) if queues_count else None
-        if not looked:
-            try:
-                self._etcd.wait(names, timeout=0)
-                return  # every key exists: the common case, answered from the cache
-            except StoreTimeoutError:
-                pass
+        opened = self._etcd.queues.open_directory(names)
+        try:
+            self._etcd.wait(names, timeout=0)
+            return  # every key exists: the common case, answered from the cache
+        except StoreTimeoutError:
+            pass
         missing = list(dict.fromkeys(names))
 
         def present() -> bool:
             nonlocal missing
-            missing = [n for n in missing if not (
-                self._present(n, opened) if queues_count else self._has_key(n))]
+            missing = [n for n in missing if not self._present(n, opened)]
             return not missing
 
         # ``wait`` is below 0 when the deadline passed during the look above: a timeout.
-        self._etcd.wait_until(present, names=missing, queues=missing if queues_count else (),
+        self._etcd.wait_until(present, names=missing, queues=missing,
                               timeout=max(0.0, wait), clock=self._clock)
 
     def getNumKeys(self) -> int:  # noqa: N802 -- the name torch's C++ calls
