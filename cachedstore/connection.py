@@ -376,12 +376,12 @@ class Connection:
         ``request_timeout`` (a blocking read near its deadline: torch's ``wait``/``check``
         of several names, a scope opening), on grpcio (the wire transport does the same
         itself: ``UnaryChannel.method``'s ``patience``): its answer is waited for that
-        long, but the RPC is not cancelled when it is late. etcd before 3.5.5 panics (and exits) when a
-        read-only Txn is cancelled while it executes (etcd-io/etcd#14110): one overloaded
-        client could take the member down. The RPC runs on, with ``request_timeout`` as
-        its deadline (which etcd enforces on its side too: a read still running then can
-        still trip the bug), and its answer is dropped. Raises grpc.RpcError
-        (DEADLINE_EXCEEDED when late)."""
+        long, but the RPC is not cancelled when it is late. etcd before 3.5.5 panics (and
+        exits) when a read-only Txn is cancelled while it executes (etcd-io/etcd#14110):
+        one overloaded client could take the member down. The RPC runs on, with
+        ``request_timeout`` as its deadline (which etcd enforces on its side too: a read
+        still running then can still trip the bug), and its answer is dropped. Raises
+        grpc.RpcError (DEADLINE_EXCEEDED when late)."""
         future = ep.grpc_kv.Txn.future(request, timeout=self._config.request_timeout,
                                         metadata=metadata)
         try:

@@ -28,9 +28,9 @@ trailers otherwise. A connection that etcd closed while it sat in the pool, or i
 than :data:`MAX_IDLE`, is never reused.
 
 Thread-safety: :class:`UnaryChannel` may be used from any number of threads; ``close()``
-from any thread ends the calls in flight (UNAVAILABLE), those left to finish included (their
-threads, ``cachedstore-unary-finish``, end then; ``drain()`` waits for them first). After a fork the child's copy
-closes nothing it shares with the parent.
+from any thread ends the calls in flight (UNAVAILABLE), those left to finish included
+(their threads, ``cachedstore-unary-finish``, end then; ``drain()`` waits for them first).
+After a fork the child's copy closes nothing it shares with the parent.
 """
 
 from __future__ import annotations
