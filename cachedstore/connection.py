@@ -201,7 +201,7 @@ class _Endpoint:
         """Forget the channels (no stub opens one again); return those to close."""
         with self._grpc_lock:
             channels = [c for c in (self.channel, self.unary) if c is not None]
-            self.channel = self.unary = self.open_channel = None
+            self.channel = self.unary = self.open_channel = self._grpc = None
         return channels
 
 

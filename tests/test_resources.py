@@ -135,10 +135,18 @@ def _exercise(store: EtcdStore) -> None:
 @pytest.fixture
 def warmed(etcd: LocalEtcd, prefix: str) -> Iterator[None]:
     # gRPC keeps process-wide state (pollers, timer threads, fds) created with the first
-    # channel ever; one store opened and closed first puts that out of the measurement.
-    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix) as store:
-        _exercise(store)
+    # channel ever; one store of each transport opened and closed first puts that out of
+    # the measurement.
+    for transport in _TRANSPORTS:
+        with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix,
+                       unary_transport=transport, watch_transport=transport) as store:
+            _exercise(store)
     yield
+
+
+#: The stores' transports, by cycle: the wire's (the default: no grpcio channel at all),
+#: and grpcio's (one channel, which close() must close).
+_TRANSPORTS = ("wire", "grpc")
 
 
 @pytest.mark.timeout(60)
@@ -151,14 +159,23 @@ def test_close_leaves_no_thread_fd_or_channel(etcd: LocalEtcd, prefix: str) -> N
     channels_before = {id(c) for c in _channels()}
     fds_before = process.num_fds()
     fds_after = []
-    for cycle in range(5):
-        store = EtcdStore(endpoints=[etcd.endpoint], prefix=prefix)
-        _exercise(store)
-        names = {t.name for t in threading.enumerate()}
-        assert any(n.startswith("cachedstore-watch-") for n in names)
-        assert any(n.startswith("cachedstore-aio-") for n in names)
-        mine = [c for c in _channels() if id(c) not in channels_before]
-        assert mine, "the store's channel was not found"
+    for cycle in range(6):
+        transport = _TRANSPORTS[cycle % 2]
+        store = EtcdStore(endpoints=[etcd.endpoint], prefix=prefix,
+                          unary_transport=transport, watch_transport=transport)
+        try:
+            _exercise(store)
+            names = {t.name for t in threading.enumerate()}
+            assert any(n.startswith("cachedstore-watch-") for n in names)
+            assert any(n.startswith("cachedstore-aio-") for n in names)
+            mine = [c for c in _channels() if id(c) not in channels_before]
+            if transport == "grpc":
+                assert mine, "the store's channel was not found"
+            else:
+                assert not mine, "a store on the wire transports opened a grpcio channel"
+        except BaseException:
+            store.close()  # no store of a failed cycle outlives the test
+            raise
         blocked: list[BaseException] = []
 
         def wait_forever(s: EtcdStore = store, out: list[BaseException] = blocked) -> None:
@@ -180,11 +197,12 @@ def test_close_leaves_no_thread_fd_or_channel(etcd: LocalEtcd, prefix: str) -> N
         for channel in mine:
             with pytest.raises(ValueError, match="closed channel"):
                 channel.unary_unary("/etcdserverpb.KV/Range")(b"", timeout=1)
-        del channel, mine, store
+        channel = None  # (the loop's last one)
+        del mine, store
         assert _settle(lambda: {id(c) for c in _channels()} <= channels_before), \
             "a channel of a closed store is still referenced"
         # No descriptor: back to the count from before (sockets close asynchronously).
         assert _settle(lambda: process.num_fds() <= fds_before), \
             f"cycle {cycle}: {process.num_fds()} fds open, {fds_before} before"
         fds_after.append(process.num_fds())
-    print(f"\nfds before {fds_before}, after each of 5 open/close cycles: {fds_after}")
+    print(f"\nfds before {fds_before}, after each of 6 open/close cycles: {fds_after}")
