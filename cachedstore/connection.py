@@ -197,7 +197,7 @@ class _Endpoint:
         """Use ``stubs`` (a simulated transport's, see :func:`_simulated`) for every call."""
         self.channel = self._grpc = stubs
 
-    def closed(self) -> list[Any]:
+    def release(self) -> list[Any]:
         """Forget the channels (no stub opens one again); return those to close."""
         with self._grpc_lock:
             channels = [c for c in (self.channel, self.unary) if c is not None]
@@ -617,7 +617,7 @@ class Connection:
                 unary.drain(max(0.0, drain_until - time.monotonic()))
         with self._lock:
             self._closed = True
-            channels = [c for ep in self._endpoints for c in ep.closed()]
+            channels = [c for ep in self._endpoints for c in ep.release()]
         for channel in channels:
             channel.close()
 

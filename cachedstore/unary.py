@@ -71,6 +71,7 @@ from .wire import (
     WINDOW,
     WireError,
     _frame,
+    grpc_message,
     header_block,
     header_fragment,
     settings_of,
@@ -246,7 +247,7 @@ class _Http2:
         self._block, self._block_ends, self._headers_seen = b"", False, False
         self._message.clear()
         self._status = None
-        message = b"\x00" + len(body).to_bytes(4, "big") + body
+        message = grpc_message(body)
         try:
             self._arm(deadline)
             out = self._owed + _frame(_HEADERS, _END_HEADERS, stream, headers)
@@ -271,14 +272,14 @@ class _Http2:
                 if self._status is not None:  # answered before the request was whole
                     self.reusable = False
                     break
+            until = deadline if patience is None else min(patience, deadline)
             while self._status is None:
-                if patience is None or patience >= deadline:
-                    self._read(stream, deadline)
-                    continue
                 try:
-                    self._read(stream, patience)
+                    self._read(stream, until)
                 except TimeoutError:
-                    raise _Late from None
+                    if until < deadline:  # patience over: the call runs on
+                        raise _Late from None
+                    raise
         except _Late:
             raise  # the call runs on: the connection stays as it is, for finish()
         except WireError:

@@ -141,6 +141,11 @@ def settings_of(payload: bytes) -> Iterator[tuple[int, int]]:
                int.from_bytes(payload[at + 2:at + 6], "big"))
 
 
+def grpc_message(body: bytes) -> bytes:
+    """``body`` as a gRPC message on the wire: uncompressed, length-prefixed."""
+    return b"\0" + len(body).to_bytes(4, "big") + body
+
+
 def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
     return (len(payload).to_bytes(3, "big") + bytes((kind, flags))
             + stream.to_bytes(4, "big") + payload)
@@ -323,8 +328,7 @@ class WireCall:
         the caller orders them (see ``watchstream.WatchStream``). Thread-safe, does not
         block (the socket is non-blocking; what it does not take, the reader writes).
         False, nothing sent, once the call is over."""
-        data = request.SerializeToString()
-        message = b"\0" + len(data).to_bytes(4, "big") + data
+        message = grpc_message(request.SerializeToString())
         with self._io, self._lock:  # (the order every thread takes them in)
             if self._cancelled:  # also set by _close, before the socket is closed
                 return False
@@ -546,11 +550,11 @@ class WireCall:
                         self._pings += 1
                     self._wake()
                     continue
-                data = request.SerializeToString()
+                message = grpc_message(request.SerializeToString())
                 with self._lock:
                     if self._cancelled:
                         return
-                    self._outbox.append(b"\0" + len(data).to_bytes(4, "big") + data)
+                    self._outbox.append(message)
                 self._wake()
             with self._lock:
                 self._outbox.append(b"")  # the iterator ended: half-close, as grpcio does

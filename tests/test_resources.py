@@ -114,6 +114,14 @@ def _channels() -> list[grpc.Channel]:
     return [o for o in gc.get_objects() if type(o) is grpc._channel.Channel]
 
 
+def _refuse_calls(channels: list[grpc.Channel]) -> None:
+    """Each of ``channels`` is closed: a new call on it raises (and no reference to one
+    outlives this call)."""
+    for channel in channels:
+        with pytest.raises(ValueError, match="closed channel"):
+            channel.unary_unary("/etcdserverpb.KV/Range")(b"", timeout=1)
+
+
 def _settle(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -194,10 +202,7 @@ def test_close_leaves_no_thread_fd_or_channel(etcd: LocalEtcd, prefix: str) -> N
         assert _settle(lambda: set(threading.enumerate()) <= threads_before), \
             [t.name for t in set(threading.enumerate()) - threads_before]
         # No open channel: each one the store created refuses new calls.
-        for channel in mine:
-            with pytest.raises(ValueError, match="closed channel"):
-                channel.unary_unary("/etcdserverpb.KV/Range")(b"", timeout=1)
-        channel = None  # (the loop's last one)
+        _refuse_calls(mine)
         del mine, store
         assert _settle(lambda: {id(c) for c in _channels()} <= channels_before), \
             "a channel of a closed store is still referenced"

@@ -332,10 +332,11 @@ class TorchEtcdStore(dist.Store):
         value = self._etcd_get(name)  # the hot path: a hit, no deadline arithmetic
         if value is not None:
             return value
-        looked = [True]  # the first attempt knows the key absent: no second look first
+        first = True  # the first attempt knows the key absent: no second look first
 
         def attempt(left: float) -> bytes:
-            absent, looked[0] = looked[0], False
+            nonlocal first
+            absent, first = first, False
             return self._get_blocking([name], left, absent)[0]
         return self._until_deadline(f"keys: [{key!r}]", self._wait_seconds(), attempt)
 
