@@ -71,10 +71,15 @@ def test_a_late_read_only_txn_is_not_cancelled(etcd_factory: Callable[..., Local
         assert len(waits) >= 3, f"the read took only {full:.3f} s: nothing would be late"
         unary = conn.endpoint()[1].unary
         opened = unary.opened if unary is not None else 0
-        for wait in waits:
+        for n, wait in enumerate(waits):
             with pytest.raises(EtcdConnectionError):
                 conn.call("txn", _slow_read(prefix), deadline=conn.deadline(wait))
-            assert conn.reads_left_running >= 1, "the late read was not left running"
+            # grpcio leaves every late read running. On the wire transport the first one
+            # ran on the warm pooled connection, so it was sent and is left running; a
+            # later one may find no connection it can open within its wait (the earlier
+            # reads still hold theirs), and is then never sent.
+            if n == 0 or unary is None:
+                assert conn.reads_left_running >= 1, "the late read was not left running"
         wait_until(lambda: not conn.reads_left_running, 20,
                    "the late reads to finish at etcd")
         if unary is not None:  # the late reads' connections came back to the pool
