@@ -66,6 +66,7 @@ from .wire import (
     _RST_STREAM,
     _SETTINGS,
     _WINDOW_UPDATE,
+    ACK_DELAY,
     SETTINGS_INITIAL_WINDOW_SIZE,
     SETTINGS_MAX_FRAME_SIZE,
     WINDOW,
@@ -87,10 +88,11 @@ MAX_IDLE = 120.0
 #: Stream ids are odd and below 2**31: a connection is retired before it runs out.
 _LAST_STREAM = (1 << 31) - 1
 _MAX_TIMEOUT_MS = 99_999_999  # grpc-timeout has at most 8 digits
-#: PING acknowledgements ride on the next request, unless a call has waited this long
-#: (seconds): then they are sent at once (grpc-go drops a connection whose keepalive PING
-#: goes unanswered for its keepalive timeout, 1 s at the least).
-_ACK_WITHIN = 0.5
+#: A PING is acknowledged once :data:`~cachedstore.wire.ACK_DELAY` old (why: there), with
+#: the first request sent from then on or by a call that waits for its answer past then:
+#: answered with the next request, as before, every call paid a second wakeup for the PING
+#: that grpc-go sends ahead of the answer. (Module-level, so tests may change it.)
+_ACK_DELAY = ACK_DELAY
 
 
 #: Header blocks decoded on any connection, by the blocks that changed its HPACK table
@@ -147,7 +149,6 @@ class _Http2:
         self.idle_since = 0.0
         self.reusable = True
         self._tls = tls is not None
-        self._started = 0.0  # when the call in progress began (time.monotonic())
         #: The blocks that changed the HPACK table so far (None past _HISTORY_MAX), and
         #: the connection's own decoder (None until a block misses _SHARED_DECODED).
         self._history: tuple[bytes, ...] | None = ()
@@ -162,8 +163,12 @@ class _Http2:
         self._max_frame = 16_384
         self._settings_seen = False
         self._uncredited = 0
-        #: Frames owed to etcd (PING acknowledgements), sent with the next request.
+        #: Frames owed to etcd (PING acknowledgements), and when the first of them arrived
+        #: (time.monotonic()): sent once :data:`_ACK_DELAY` old.
         self._owed = b""
+        self._owed_since = 0.0
+        #: PINGs etcd sent on this connection (tests read it).
+        self.pings_received = 0
         # The call in progress: its header blocks, message bytes, status.
         self._block = b""
         self._block_ends = False
@@ -233,7 +238,7 @@ class _Http2:
         ``patience`` (a ``time.monotonic()`` value before ``deadline``): once the request
         is sent whole, the answer is waited for until then only, and :class:`_Late` is
         raised with the call still running (see :meth:`finish`)."""
-        self._started = now = time.monotonic()
+        now = time.monotonic()
         if now >= deadline:
             raise WireError(grpc.StatusCode.UNAVAILABLE, f"failed to connect to "
                             f"{self.authority} in time: no time left to send the request")
@@ -250,14 +255,18 @@ class _Http2:
         message = grpc_message(body)
         try:
             self._arm(deadline)
-            out = self._owed + _frame(_HEADERS, _END_HEADERS, stream, headers)
-            self._owed = b""
+            out = _frame(_HEADERS, _END_HEADERS, stream, headers)
+            acks = b""
+            if self._owed and now >= self._owed_since + _ACK_DELAY:
+                # After the request's frames: etcd reads its DATA while its PING is still
+                # unacknowledged, and so sends no new one for it.
+                acks, self._owed = self._owed, b""
             while True:
                 room = min(self._send_window, self._stream_window, self._max_frame)
                 if len(message) <= room:
                     self._send_window -= len(message)
                     self._stream_window -= len(message)
-                    self.sock.sendall(out + _frame(_DATA, _END_STREAM, stream, message))
+                    self.sock.sendall(out + _frame(_DATA, _END_STREAM, stream, message) + acks)
                     break
                 if room > 0:
                     out += _frame(_DATA, 0, stream, message[:room])
@@ -320,14 +329,14 @@ class _Http2:
 
     def _read(self, stream: int, deadline: float) -> None:
         """Wait for what etcd sends (up to ``deadline``, a ``time.monotonic()`` value) and
-        handle every whole frame of it. PING acknowledgements owed since the call began
-        are sent once it has waited :data:`_ACK_WITHIN`."""
+        handle every whole frame of it. PING acknowledgements owed are sent once
+        :data:`_ACK_DELAY` old."""
         now = time.monotonic()
         if now >= deadline:
             raise TimeoutError
         until = deadline
         if self._owed:
-            due = self._started + _ACK_WITHIN
+            due = self._owed_since + _ACK_DELAY
             if now >= due:
                 owed, self._owed = self._owed, b""
                 self._arm(deadline)
@@ -374,7 +383,10 @@ class _Http2:
                 if not flags & _ACK:
                     self._on_settings(payload)
             elif kind == _PING:
-                if not flags & _ACK:  # answered with the next frames we send
+                if not flags & _ACK:  # answered once _ACK_DELAY old
+                    self.pings_received += 1
+                    if not self._owed:
+                        self._owed_since = time.monotonic()
                     self._owed += _frame(_PING, _ACK, 0, payload)
             elif kind == _WINDOW_UPDATE:
                 credit = int.from_bytes(payload[:4], "big") & 0x7FFF_FFFF

@@ -85,6 +85,14 @@ BUSY = 10
 SPELL = 2
 #: What etcd may send ahead of our reading, per stream and for the connection (bytes).
 WINDOW = 1 << 24
+#: etcd's PINGs are acknowledged once this old (seconds), not at once. grpc-go's server
+#: sends a PING (with a WINDOW_UPDATE) to estimate the link's bandwidth on every DATA
+#: frame it reads while none of its PINGs is unacknowledged: answered at once, every watch
+#: create (and every unary call, :mod:`cachedstore.unary`) cost a wakeup for it, which
+#: arrives ahead of the answer, a write of the acknowledgement, and etcd a PING. Held, a
+#: connection gets one per ``ACK_DELAY`` at most. Well within grpc-go's keepalive timeout
+#: (1 s at the least), so its keepalive PINGs are still answered in time.
+ACK_DELAY = 0.25
 _DEFAULT_WINDOW = 65_535
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _HTTP_CODES = {400: grpc.StatusCode.INTERNAL, 401: grpc.StatusCode.UNAUTHENTICATED,
@@ -250,6 +258,10 @@ class WireCall:
         self._cancelled = False
         self._abort: WireError | None = None  # set by the sender thread
         self._pings = 0  # PINGs the sender asked for, not yet sent (guarded by _lock)
+        #: Acknowledgements of etcd's PINGs, sent by the reader at _acks_due (ACK_DELAY).
+        self._acks = b""
+        self._acks_due = 0.0
+        self.pings_received = 0  # PINGs etcd sent (tests count them)
         self._goaway = ""  # what a GOAWAY that spared our stream said, if one came
         self._closed = False
         self._reading = False  # a thread is inside __next__ (only it touches the socket)
@@ -437,6 +449,13 @@ class WireCall:
                 for _ in range(pings):  # control frames: no flow control, ahead of messages
                     self._send(_frame(_PING, 0, 0, b"cachedst"))
             self._write_waiting()
+            ack_wait = -1.0  # no acknowledgement owed: poll without a timeout
+            if self._acks:
+                ack_wait = self._acks_due - time.monotonic()
+                if ack_wait <= 0:  # behind the messages: etcd reads them with its PING
+                    acks, self._acks = self._acks, b""  # still out, and sends no new one
+                    self._send(acks)
+                    ack_wait = -1.0
             if self._polled_for_write != bool(self._unsent):
                 self._polled_for_write = bool(self._unsent)
                 poller.modify(sock.fileno(), select.EPOLLIN
@@ -445,7 +464,7 @@ class WireCall:
             self._pace()
         if not (self._tls is not None and sock.pending()):  # type: ignore[attr-defined]
             readable = False
-            for fd, _ in poller.poll():
+            for fd, _ in poller.poll(ack_wait):
                 if fd == self._wake_fd:
                     try:
                         self._wake_r.recv(4096)
@@ -632,8 +651,11 @@ class WireCall:
                 if not flags & _ACK:
                     self._on_settings(payload)
             elif kind == _PING:
-                if not flags & _ACK:
-                    self._send(_frame(_PING, _ACK, 0, payload))
+                if not flags & _ACK:  # acknowledged once ACK_DELAY old (by _pump)
+                    self.pings_received += 1
+                    if not self._acks:
+                        self._acks_due = time.monotonic() + ACK_DELAY
+                    self._acks += _frame(_PING, _ACK, 0, payload)
                 else:  # etcd sends PINGs of its own, but acknowledges only ours
                     self._responses.append(PONG)
             elif kind == _WINDOW_UPDATE:

@@ -19,7 +19,7 @@ import grpc
 import pytest
 from etcd3 import etcdrpc
 
-from cachedstore import EtcdStore, etcdapi
+from cachedstore import EtcdStore, etcdapi, unary
 from cachedstore.connection import Credentials
 from cachedstore.etcdapi import Failure
 from cachedstore.server import LocalEtcd
@@ -256,33 +256,55 @@ def test_a_block_decoded_on_one_connection_is_reused_only_after_the_same_table()
         peer.close()
 
 
-def test_settings_and_pings_of_the_server_are_acknowledged() -> None:
-    """etcd's SETTINGS at once, its PINGs (grpc-go sends one per request it reads, to
-    estimate the link's bandwidth) with the next frames the client sends."""
+def test_settings_at_once_and_pings_once_they_are_ack_delay_old(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """etcd's SETTINGS are acknowledged at once; its PINGs (grpc-go sends one with every
+    request it reads while none of its PINGs is unacknowledged, to estimate the bandwidth)
+    once ``_ACK_DELAY`` old, with the next request, behind its frames (so that etcd reads
+    that request with its PING still out). Answered with the next request, as before, every
+    call of a busy connection got a PING ahead of its answer and woke once more for it."""
+    monkeypatch.setattr(unary, "_ACK_DELAY", 0.5)
     frames: list[tuple[int, int, bytes]] = []
     empty = b"\x00" + (0).to_bytes(4, "big")
 
     def serve(conn: socket.socket) -> None:
         conn.sendall(_frame(4, 0, 0))
-        for n, stream in enumerate(_requests_of(conn, frames)):
+        for n, stream in enumerate(_requests_of(conn, frames)):  # until the client closes
             conn.sendall(_frame(6, 0, 0, b"ping-%03d" % n) + _frame(1, 4, stream, b"\x88")
                          + _frame(0, 0, stream, empty)
                          + _frame(1, 5, stream, _literal(b"grpc-status", b"0")))
-            if n == 2:
-                break
-        time.sleep(0.2)
 
     peer = _Peer(serve)
     channel, rpc = _channel(peer.target)
     try:
-        for _ in range(3):
+        for _ in range(3):  # back to back: the PINGs are younger than _ACK_DELAY
             rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=5)
+        time.sleep(0.55)
+        rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=5)  # carries the three
     finally:
         channel.close()
         peer.close()
-    acks = [payload for kind, flags, payload in frames if kind == 6 and flags & 1]
-    assert acks == [b"ping-000", b"ping-001"]  # the third is owed to a next call
+    acks = [(i, payload) for i, (kind, flags, payload) in enumerate(frames)
+            if kind == 6 and flags & 1]
+    assert [payload for _, payload in acks] == [b"ping-000", b"ping-001", b"ping-002"]
+    last_request = max(i for i, (kind, flags, _) in enumerate(frames) if kind == 0 and flags & 1)
+    assert acks[0][0] > last_request  # behind the fourth request's DATA
     assert (4, 1, b"") in frames  # SETTINGS ACK
+
+
+def test_back_to_back_calls_cost_etcd_few_pings(etcd: LocalEtcd, prefix: str) -> None:
+    """Against etcd itself: 40 calls back to back on one connection get one PING or a few
+    (one per ``_ACK_DELAY``), not one per call (with the acknowledgement sent at once,
+    grpc-go pings again on every request)."""
+    channel, rpc = _channel(_target(etcd))
+    try:
+        key = (prefix + "k").encode()
+        for i in range(40):
+            rpc.put(etcdrpc.PutRequest(key=key, value=b"v%d" % i), timeout=5)
+        (conn,) = channel._idle
+        assert 1 <= conn.pings_received <= 10, conn.pings_received
+    finally:
+        channel.close()
 
 
 def test_an_unreachable_endpoint_fails_as_never_sent() -> None:

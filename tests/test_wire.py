@@ -5,6 +5,7 @@ nothing left running after a call."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -651,3 +652,68 @@ def test_a_replay_after_a_reconnect_is_not_paced(etcd: LocalEtcd, prefix: str) -
     finally:
         store.close()
         client.close()
+
+
+def test_creates_back_to_back_cost_etcd_few_pings(etcd: LocalEtcd, prefix: str) -> None:
+    """grpc-go pings (to estimate the bandwidth) on every request it reads while none of
+    its PINGs is unacknowledged: acknowledged once ``ACK_DELAY`` old, 40 creates answered
+    one after another get one PING or a few, not one each (each of those cost the reader a
+    wakeup and a write)."""
+    done = threading.Event()
+    call = _stub(etcd.endpoint).Watch(_requests(_create(prefix), then=done))
+    try:
+        assert next(call).created
+        for i in range(40):
+            assert call.send(_create(f"{prefix}{i}/"))
+            assert next(call).watch_id == i + 1
+        assert 1 <= call.pings_received <= 10, call.pings_received
+    finally:
+        done.set()
+        call.cancel()
+
+
+def test_a_ping_held_for_ack_delay_is_acknowledged_by_an_idle_reader() -> None:
+    """A PING (etcd's keepalive, say) on a stream that has nothing else to send is
+    acknowledged by the reader once ``ACK_DELAY`` old: its wait for the socket ends then
+    (grpc-go drops a connection whose keepalive PING is unanswered for 1 s or more)."""
+    from cachedstore.wire import ACK_DELAY, _frame
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    acked: list[float] = []
+    done = threading.Event()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(_frame(4, 0, 0) + _frame(6, 0, 0, b"keepaliv"))
+            pinged, buf = time.monotonic(), b""
+            conn.settimeout(0.05)
+            while not done.is_set() and not acked:
+                try:
+                    buf += conn.recv(1 << 16)
+                except TimeoutError:
+                    continue
+                if _frame(6, 1, 0, b"keepaliv") in buf:
+                    acked.append(time.monotonic() - pinged)
+            done.wait(10)
+
+    server = threading.Thread(target=serve, name="test-wire-peer", daemon=True)
+    server.start()
+    target = f"127.0.0.1:{listener.getsockname()[1]}"
+    call = _stub(target).Watch(_requests(then=done))
+
+    def read() -> None:
+        with contextlib.suppress(WireError):  # CANCELLED, at the end
+            list(call)
+
+    reader = threading.Thread(target=read, name="test-wire-reader", daemon=True)
+    reader.start()
+    try:
+        eventually(lambda: bool(acked), timeout=5, what="the PING's acknowledgement")
+        assert 0.8 * ACK_DELAY <= acked[0] < 0.9, acked
+    finally:
+        done.set()
+        call.cancel()
+        reader.join(10)
+        server.join(10)
+        listener.close()
