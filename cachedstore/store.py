@@ -68,6 +68,36 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+
+def _host_and_port(host: object, port: object) -> tuple[str, int]:
+    """``EtcdStore(host, port)``'s endpoint, checked before anything connects: a URL or a
+    ``"host:port"`` given as the host (which would otherwise be tried as an IPv6 address
+    until ``connect_timeout``) and a port out of range are refused here.
+
+    Raises:
+        InvalidTypeError: ``host`` is not a str or ``port`` not an int (its decimal digits
+            in a str are taken too).
+        InvalidInputError: ``host`` is empty, a URL or ``"host:port"``; ``port`` is not in
+            1..65535.
+    """
+    if not isinstance(host, str):
+        raise InvalidTypeError(f"host must be a str, not {type(host).__name__}; give "
+                               f"several endpoints as endpoints=[...]")
+    if isinstance(port, str) and port.isdecimal():
+        port = int(port)
+    if isinstance(port, bool) or not isinstance(port, int):
+        raise InvalidTypeError(f"port must be an int, not {type(port).__name__}")
+    bare = host.strip("[]")
+    head, colon, tail = bare.rpartition(":")
+    if not bare or "/" in bare or (colon and ":" not in head and tail.isdigit()):
+        raise InvalidInputError(
+            f"host must be a host name or address, got {host!r}; give a URL or "
+            f"'host:port' as endpoints=[{host!r}]")
+    if not 0 < port < 65536:
+        raise InvalidInputError(f"port must be in 1..65535, got {port}")
+    return bare, port
+
+
 class EtcdStore:
     """A key-value store on etcd v3 whose reads are served from a coherent local cache.
 
@@ -188,11 +218,8 @@ class EtcdStore:
             root=(self._keys.range_start, self._keys.range_end))
         if endpoints is not None:
             targets = [parse_endpoint(e) for e in names_list(endpoints, "endpoints")]
-        elif not isinstance(host, str):
-            raise InvalidTypeError(f"host must be a str, not {type(host).__name__}; give "
-                                   f"several endpoints as endpoints=[...]")
         else:
-            targets = [(host, int(port))]
+            targets = [_host_and_port(host, port)]
         self._conn = Connection(targets, Credentials(ca_cert, cert_key, cert_cert, user,
                                                      password), cfg, self.metrics,
                                 clock=clock)

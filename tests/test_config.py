@@ -408,6 +408,39 @@ def test_parse_endpoint():
             parse_endpoint(bad)
 
 
+@pytest.mark.parametrize(("host", "port", "error"), [
+    ("http://127.0.0.1:2379", 2379, InvalidInputError),  # a URL as the host
+    ("127.0.0.1:2379", 2379, InvalidInputError),  # "host:port" as the host
+    ("etcd:2379", 2379, InvalidInputError),
+    ("", 2379, InvalidInputError),
+    ("h", 0, InvalidInputError),
+    ("h", 65536, InvalidInputError),
+    ("h", "port", InvalidTypeError),
+    ("h", 2379.0, InvalidTypeError),
+    ("h", True, InvalidTypeError),
+    (["h"], 2379, InvalidTypeError),
+])
+def test_a_store_refuses_a_bad_host_or_port_before_connecting(host: Any, port: Any,
+                                                              error: type[Exception]) -> None:
+    """A URL or "host:port" given as the host used to be tried as an IPv6 address
+    ("[127.0.0.1:2379]:2379") until connect_timeout ran out; each mistake is now a typed
+    error at once, naming what to give instead."""
+    started = time.monotonic()
+    with pytest.raises(error) as caught:
+        EtcdStore(host, port, connect_timeout=30)
+    assert time.monotonic() - started < 5
+    if isinstance(host, str) and ":" in host:
+        assert "endpoints=" in str(caught.value)
+
+
+def test_hosts_that_are_addresses_pass_the_check() -> None:
+    from cachedstore.store import _host_and_port
+
+    assert _host_and_port("::1", 2379) == ("::1", 2379)
+    assert _host_and_port("[fe80::1]", "2379") == ("fe80::1", 2379)  # as in endpoints=
+    assert _host_and_port("etcd-0.etcd", 1) == ("etcd-0.etcd", 1)
+
+
 def test_credentials_never_show_the_password():
     creds = Credentials(user="alice", password="s3cret")
     assert "s3cret" not in repr(creds)
