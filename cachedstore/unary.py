@@ -12,7 +12,8 @@ What it speaks, per call: HEADERS (request metadata as literals never indexed, s
 :func:`~cachedstore.wire.header_block`, with ``grpc-timeout``) and the length-prefixed
 request in DATA frames within the server's flow-control windows; then the response's
 headers, message and trailers (or a Trailers-Only response), etcd's header blocks decoded
-by ``hpack``. Also SETTINGS (acknowledged), PING (answered), WINDOW_UPDATE both ways,
+by ``hpack``. Also SETTINGS (acknowledged), PING (answered once ``ACK_DELAY`` old, with a
+later request: see :data:`~cachedstore.wire.ACK_DELAY`), WINDOW_UPDATE both ways,
 RST_STREAM and GOAWAY. One call at a time per connection: a connection is taken from the
 pool (or opened) for a call and given back when the call ended cleanly; concurrent calls
 use different connections.
