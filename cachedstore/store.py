@@ -68,7 +68,6 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-
 def _host_and_port(host: object, port: object) -> tuple[str, int]:
     """``EtcdStore(host, port)``'s endpoint, checked before anything connects: a URL or a
     ``"host:port"`` given as the host (which would otherwise be tried as an IPv6 address
@@ -89,7 +88,8 @@ def _host_and_port(host: object, port: object) -> tuple[str, int]:
         raise InvalidTypeError(f"port must be an int, not {type(port).__name__}")
     bare = host.strip("[]")
     head, colon, tail = bare.rpartition(":")
-    if not bare or "/" in bare or (colon and ":" not in head and tail.isdigit()):
+    if (not bare or "/" in bare or "[" in bare or "]" in bare  # a URL, "[v6]:port"
+            or (colon and ":" not in head and tail.isdigit())):  # "name:port", "v4:port"
         raise InvalidInputError(
             f"host must be a host name or address, got {host!r}; give a URL or "
             f"'host:port' as endpoints=[{host!r}]")

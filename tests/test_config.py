@@ -412,6 +412,7 @@ def test_parse_endpoint():
     ("http://127.0.0.1:2379", 2379, InvalidInputError),  # a URL as the host
     ("127.0.0.1:2379", 2379, InvalidInputError),  # "host:port" as the host
     ("etcd:2379", 2379, InvalidInputError),
+    ("[::1]:2379", 2379, InvalidInputError),
     ("", 2379, InvalidInputError),
     ("h", 0, InvalidInputError),
     ("h", 65536, InvalidInputError),
