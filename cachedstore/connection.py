@@ -219,6 +219,9 @@ class Connection:
 
     ``call`` sends one unary RPC, failing over between endpoints and re-authenticating as
     needed until it succeeds or its deadline passes; it raises only cachedstore errors.
+    ``name`` (a store's id) ends the names of the threads the connection starts
+    (``cachedstore-watch-send-3``, ``cachedstore-unary-finish-3``), as the store's own
+    threads' names do.
 
     Longer than this project's classes usually are: channels, endpoint failover, cluster
     identity checks and auth tokens are the state every call reads; the retry decisions are
@@ -227,7 +230,7 @@ class Connection:
 
     def __init__(self, endpoints: Sequence[tuple[str, int]], credentials: Credentials,
                  config: StoreConfig, metrics: StoreMetrics | NullMetrics,
-                 clock: Clock = SYSTEM_CLOCK) -> None:
+                 clock: Clock = SYSTEM_CLOCK, name: str = "") -> None:
         if not endpoints:
             raise InvalidInputError("at least one endpoint is required")
         self._endpoints = [
@@ -238,6 +241,7 @@ class Connection:
             if "wire" in (config.watch_transport, config.unary_transport) else None
         self._config = config
         self._metrics = metrics
+        self._name = f"-{name}" if name else ""  # ends the names of this connection's threads
         #: Deadlines and back-off waits (gRPC's own timeouts are real seconds).
         self._clock = clock
         self._lock = threading.Lock()
@@ -298,14 +302,16 @@ class Connection:
         ep.open_channel = lambda: self._open_channel(target)
         if self._config.unary_transport == "wire":
             _wire_stubs(ep, UnaryChannel(ep.target, self._ssl_context,
-                                         self._attempt_timeout, self._clock.monotonic))
+                                         self._attempt_timeout, self._clock.monotonic,
+                                         f"cachedstore-unary-finish{self._name}"))
         else:
             grpcio = ep.grpcio()
             ep.kv, ep.maintenance = grpcio.kv, grpcio.maintenance
             ep.auth, ep.lease = grpcio.auth, grpcio.lease
         ep.watch_stream = ep.watch if self._config.watch_transport == "grpc" \
             else WireStub(ep.target, self._ssl_context, self._attempt_timeout,
-                          etcdrpc.WatchResponse.FromString, "cachedstore-watch-send")
+                          etcdrpc.WatchResponse.FromString,
+                          f"cachedstore-watch-send{self._name}")
 
     def _open_channel(self, target: str) -> grpc.Channel:
         """A new grpcio channel to ``target``. Raises StoreClosedError once closed."""

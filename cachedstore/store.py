@@ -220,10 +220,10 @@ class EtcdStore:
             targets = [parse_endpoint(e) for e in names_list(endpoints, "endpoints")]
         else:
             targets = [_host_and_port(host, port)]
+        self._id = next(_store_ids)
         self._conn = Connection(targets, Credentials(ca_cert, cert_key, cert_cert, user,
                                                      password), cfg, self.metrics,
-                                clock=clock)
-        self._id = next(_store_ids)
+                                clock=clock, name=str(self._id))
         self._opener = ScopeOpener(self._conn, self._keys, self._cache, cfg, self.metrics,
                                    clock)
         self._reads = ReadThrough(self._conn, self._keys, self._cache, cfg, self.metrics,

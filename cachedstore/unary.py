@@ -558,12 +558,14 @@ class UnaryChannel:
     Thread-safe; :meth:`method` returns a callable with grpcio's signature."""
 
     def __init__(self, target: str, tls: ssl.SSLContext | None, connect_timeout: float,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+                 monotonic: Callable[[], float] = time.monotonic,
+                 finish_thread_name: str = "cachedstore-unary-finish") -> None:
         host, _, port = target.rpartition(":")
         self._address = (host.strip("[]"), int(port))
         self._target, self._tls = target, tls
         self._connect_timeout = connect_timeout
         self._monotonic = monotonic
+        self._finish_thread_name = finish_thread_name
         self._scheme = "https" if tls is not None else "http"
         self._lock = threading.Lock()
         self._idle: list[_Http2] = []
@@ -633,8 +635,7 @@ class UnaryChannel:
                 with self._lock:
                     self._finishing.discard(thread)
 
-        thread = threading.Thread(target=finish, name="cachedstore-unary-finish",
-                                  daemon=True)
+        thread = threading.Thread(target=finish, name=self._finish_thread_name, daemon=True)
         with self._lock:
             self._finishing.add(thread)
         thread.start()

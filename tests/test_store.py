@@ -316,10 +316,20 @@ def test_the_watch_streams_sender_thread_is_gone_after_close(etcd, prefix, monke
 
     monkeypatch.setattr(wire.WireCall, "_consume_requests", lingering)
     store = EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, watch_transport="wire")
-    assert any(t.name == "cachedstore-watch-send" for t in threading.enumerate())
-    store.close()
-    assert [t for t in threading.enumerate() if t.name == "cachedstore-watch-send"
-            and t.is_alive()] == []
+    other = EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, watch_transport="wire")
+    try:
+        # Named after its store, as the watch thread is: two stores, two names.
+        name = f"cachedstore-watch-send-{store._id}"
+        assert name != f"cachedstore-watch-send-{other._id}"
+        assert f"cachedstore-watch-{store._id}" in {t.name for t in threading.enumerate()}
+        assert any(t.name == name for t in threading.enumerate())
+        store.close()
+        assert [t for t in threading.enumerate() if t.name == name and t.is_alive()] == []
+        assert any(t.name == f"cachedstore-watch-send-{other._id}"
+                   for t in threading.enumerate())
+    finally:
+        store.close()
+        other.close()
 
 
 def test_repr_and_stats(store):
