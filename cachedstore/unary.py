@@ -12,8 +12,9 @@ What it speaks, per call: HEADERS (request metadata as literals never indexed, s
 :func:`~cachedstore.wire.header_block`, with ``grpc-timeout``) and the length-prefixed
 request in DATA frames within the server's flow-control windows; then the response's
 headers, message and trailers (or a Trailers-Only response), etcd's header blocks decoded
-by ``hpack``. Also SETTINGS (acknowledged), PING (answered once ``ACK_DELAY`` old, with a
-later request: see :data:`~cachedstore.wire.ACK_DELAY`), WINDOW_UPDATE both ways,
+by ``hpack``. Also SETTINGS (acknowledged), PING (answered with the next request, or by a
+call that waits for its answer; grpc-go's bandwidth estimates once ``ACK_DELAY`` old: see
+:data:`~cachedstore.wire.ACK_DELAY`), WINDOW_UPDATE both ways,
 RST_STREAM and GOAWAY. One call at a time per connection: a connection is taken from the
 pool (or opened) for a call and given back when the call ended cleanly; concurrent calls
 use different connections.
@@ -68,6 +69,7 @@ from .wire import (
     _SETTINGS,
     _WINDOW_UPDATE,
     ACK_DELAY,
+    BDP_PING,
     SETTINGS_INITIAL_WINDOW_SIZE,
     SETTINGS_MAX_FRAME_SIZE,
     WINDOW,
@@ -89,10 +91,10 @@ MAX_IDLE = 120.0
 #: Stream ids are odd and below 2**31: a connection is retired before it runs out.
 _LAST_STREAM = (1 << 31) - 1
 _MAX_TIMEOUT_MS = 99_999_999  # grpc-timeout has at most 8 digits
-#: A PING is acknowledged once :data:`~cachedstore.wire.ACK_DELAY` old (why: there), with
-#: the first request sent from then on or by a call that waits for its answer past then:
-#: answered with the next request, as before, every call paid a second wakeup for the PING
-#: that grpc-go sends ahead of the answer. (Module-level, so tests may change it.)
+#: A bandwidth-estimation PING is acknowledged once :data:`~cachedstore.wire.ACK_DELAY` old
+#: (why: there), any other at once: with the first request sent from then on, behind its
+#: frames, or by a call that waits for its answer past then. (Module-level, so tests may
+#: change it.)
 _ACK_DELAY = ACK_DELAY
 
 
@@ -164,8 +166,9 @@ class _Http2:
         self._max_frame = 16_384
         self._settings_seen = False
         self._uncredited = 0
-        #: Frames owed to etcd (PING acknowledgements), and when the first of them arrived
-        #: (time.monotonic()): sent once :data:`_ACK_DELAY` old.
+        #: Frames owed to etcd (PING acknowledgements), sent once ``_owed_since`` is
+        #: :data:`_ACK_DELAY` old (time.monotonic(): when a BDP PING came, that less
+        #: _ACK_DELAY for any other PING, the earliest of those owed).
         self._owed = b""
         self._owed_since = 0.0
         #: PINGs etcd sent on this connection (tests read it).
@@ -275,9 +278,9 @@ class _Http2:
                     self._send_window -= room
                     self._stream_window -= room
                     continue
-                if out:
-                    self.sock.sendall(out)
-                    out = b""
+                if out:  # (with the acknowledgements: the wait may be long)
+                    self.sock.sendall(out + acks)
+                    out = acks = b""
                 self._read(stream, deadline)  # until a WINDOW_UPDATE (or the answer)
                 if self._status is not None:  # answered before the request was whole
                     self.reusable = False
@@ -341,7 +344,11 @@ class _Http2:
             if now >= due:
                 owed, self._owed = self._owed, b""
                 self._arm(deadline)
-                self.sock.sendall(owed)
+                try:
+                    self.sock.sendall(owed)
+                except BaseException:  # perhaps half written: a later call would follow it
+                    self.reusable = False
+                    raise
             else:
                 until = due
         self.sock.settimeout(max(0.001, until - now))
@@ -384,10 +391,12 @@ class _Http2:
                 if not flags & _ACK:
                     self._on_settings(payload)
             elif kind == _PING:
-                if not flags & _ACK:  # answered once _ACK_DELAY old
+                if not flags & _ACK:
                     self.pings_received += 1
-                    if not self._owed:
-                        self._owed_since = time.monotonic()
+                    since = time.monotonic()  # a BDP PING's is due _ACK_DELAY later,
+                    if payload != BDP_PING:  # any other's at once
+                        since -= _ACK_DELAY
+                    self._owed_since = min(self._owed_since, since) if self._owed else since
                     self._owed += _frame(_PING, _ACK, 0, payload)
             elif kind == _WINDOW_UPDATE:
                 credit = int.from_bytes(payload[:4], "big") & 0x7FFF_FFFF

@@ -14,7 +14,7 @@ figures: a store's whole CPU per event of 130 µs here (49 µs pacing at 5 ms) a
 What it speaks, for one stream (id 1) per connection:
 
 - HTTP/2 (RFC 9113): the preface and SETTINGS (acknowledged both ways; push disabled),
-  PING (etcd's answered once :data:`ACK_DELAY` old; ours sent for each :data:`PING` the
+  PING (etcd's answered at once, its bandwidth estimates once :data:`ACK_DELAY` old; ours sent for each :data:`PING` the
   request iterator yields, each acknowledgement yielded as :data:`PONG`), flow control
   both ways (a request waits for send window; what etcd sends is credited back once half
   the window is consumed), HEADERS with CONTINUATION and padding, RST_STREAM and GOAWAY
@@ -85,14 +85,17 @@ BUSY = 10
 SPELL = 2
 #: What etcd may send ahead of our reading, per stream and for the connection (bytes).
 WINDOW = 1 << 24
-#: etcd's PINGs are acknowledged once this old (seconds), not at once. grpc-go's server
-#: sends a PING (with a WINDOW_UPDATE) to estimate the link's bandwidth on every DATA
-#: frame it reads while none of its PINGs is unacknowledged: answered at once, every watch
+#: etcd's bandwidth-estimation PINGs (payload :data:`BDP_PING`) are acknowledged once this
+#: old (seconds), not at once. grpc-go's server sends one (with a WINDOW_UPDATE) on every
+#: DATA frame it reads while none of them is unacknowledged: answered at once, every watch
 #: create (and every unary call, :mod:`cachedstore.unary`) cost a wakeup for it, which
 #: arrives ahead of the answer, a write of the acknowledgement, and etcd a PING. Held, a
-#: connection gets one per ``ACK_DELAY`` at most. Well within grpc-go's keepalive timeout
-#: (1 s at the least), so its keepalive PINGs are still answered in time.
+#: connection gets one per ``ACK_DELAY`` at most. Any other PING (grpc-go's keepalive, the
+#: one ahead of a GOAWAY) is answered as before, at once; grpc-go has no deadline for a BDP
+#: PING's answer (it only waits for it before it sends the next).
 ACK_DELAY = 0.25
+#: The payload of grpc-go's bandwidth-estimation PING (``bdpPing`` in its transport).
+BDP_PING = bytes([2, 4, 16, 16, 9, 14, 7, 7])
 _DEFAULT_WINDOW = 65_535
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _HTTP_CODES = {400: grpc.StatusCode.INTERNAL, 401: grpc.StatusCode.UNAUTHENTICATED,
@@ -258,7 +261,7 @@ class WireCall:
         self._cancelled = False
         self._abort: WireError | None = None  # set by the sender thread
         self._pings = 0  # PINGs the sender asked for, not yet sent (guarded by _lock)
-        #: Acknowledgements of etcd's PINGs, sent by the reader at _acks_due (ACK_DELAY).
+        #: Acknowledgements of etcd's BDP PINGs, sent by the reader at _acks_due (ACK_DELAY).
         self._acks = b""
         self._acks_due = 0.0
         self.pings_received = 0  # PINGs etcd sent (tests count them)
@@ -651,11 +654,14 @@ class WireCall:
                 if not flags & _ACK:
                     self._on_settings(payload)
             elif kind == _PING:
-                if not flags & _ACK:  # acknowledged once ACK_DELAY old (by _pump)
+                if not flags & _ACK:
                     self.pings_received += 1
-                    if not self._acks:
-                        self._acks_due = time.monotonic() + ACK_DELAY
-                    self._acks += _frame(_PING, _ACK, 0, payload)
+                    if payload != BDP_PING:  # a keepalive, say: answered at once
+                        self._send(_frame(_PING, _ACK, 0, payload))
+                    else:  # answered once ACK_DELAY old (by _pump)
+                        if not self._acks:
+                            self._acks_due = time.monotonic() + ACK_DELAY
+                        self._acks += _frame(_PING, _ACK, 0, payload)
                 else:  # etcd sends PINGs of its own, but acknowledges only ours
                     self._responses.append(PONG)
             elif kind == _WINDOW_UPDATE:
