@@ -14,15 +14,16 @@ figures: a store's whole CPU per event of 130 µs here (49 µs pacing at 5 ms) a
 What it speaks, for one stream (id 1) per connection:
 
 - HTTP/2 (RFC 9113): the preface and SETTINGS (acknowledged both ways; push disabled),
-  PING (etcd's answered at once, its bandwidth estimates once :data:`ACK_DELAY` old; ours sent for each :data:`PING` the
-  request iterator yields, each acknowledgement yielded as :data:`PONG`), flow control
-  both ways (a request waits for send window; what etcd sends is credited back once half
-  the window is consumed), HEADERS with CONTINUATION and padding, RST_STREAM and GOAWAY
-  (its code and debug text end up in the error's details, e.g. ``too_many_pings``). etcd's
-  header blocks are decoded by the ``hpack`` library; ours are literals never indexed
-  (:func:`header_block`: the auth token stays out of every table and every other library's
-  log); the frames themselves are nine bytes of header each, parsed inline (a frame
-  library's objects would cost more per message than everything else here);
+  PING (etcd's answered at once, its bandwidth estimates once :data:`ACK_DELAY` old; ours
+  sent for each :data:`PING` the request iterator yields, each acknowledgement yielded as
+  :data:`PONG`), flow control both ways (a request waits for send window; what etcd sends
+  is credited back once half the window is consumed), HEADERS with CONTINUATION and
+  padding, RST_STREAM and GOAWAY (its code and debug text end up in the error's details,
+  e.g. ``too_many_pings``). etcd's header blocks are decoded by the ``hpack`` library;
+  ours are literals never indexed (:func:`header_block`: the auth token stays out of every
+  table and every other library's log); the frames themselves are nine bytes of header
+  each, parsed inline (a frame library's objects would cost more per message than
+  everything else here);
 - gRPC over HTTP/2: request metadata as headers, length-prefixed messages (uncompressed:
   none is negotiated), the status from the trailers (``grpc-status``, ``grpc-message``) or
   a Trailers-Only response, HTTP and RST_STREAM codes mapped as grpcio maps them.
