@@ -3,7 +3,8 @@ of a small pool: the store's range, txn, put... (``StoreConfig.unary_transport="
 
 Why: grpcio costs ~300 µs of CPU per unary call on the machines this project is measured
 on (its completion queue, channel threads and GIL hand-offs), against ~140 µs here, calls
-back to back from one thread: one ``sendall``, one or two ``recv``, a protobuf decode.
+back to back from one thread: a peek, a ``send``, a ``poll`` and a ``recv`` on a plaintext
+connection (non-blocking: no socket timeouts, see :meth:`_Http2._arm`), a protobuf decode.
 ``benchmarks/FANOUT.md`` ("Unary calls without grpcio") has one run's figures, also for
 many threads of one process calling at once, where the two cost the same. The watch
 stream has its own connection (:mod:`cachedstore.wire`).
@@ -38,7 +39,9 @@ After a fork the child's copy closes nothing it shares with the parent.
 from __future__ import annotations
 
 import errno
+import math
 import os
+import select
 import socket
 import ssl
 import threading
@@ -179,7 +182,13 @@ class _Http2:
         self._headers_seen = False
         self._message = bytearray()
         self._status: tuple[grpc.StatusCode, str] | None = None
+        #: What sends and waits are bounded by (a ``time.monotonic()`` value: ``_arm``).
+        self._deadline = deadline
         self.sock: socket.socket | ssl.SSLSocket
+        #: A plaintext socket stays non-blocking once connected, and its waits are these
+        #: polls (see _arm); under TLS, Python's socket timeouts bound each operation.
+        self._pollin: Any = None
+        self._pollout: Any = None
         try:
             self.sock = socket.create_connection(
                 address, max(0.001, deadline - time.monotonic()))
@@ -201,7 +210,13 @@ class _Http2:
                 raise WireError(grpc.StatusCode.UNAVAILABLE,
                                 f"failed to connect to {authority}: {details}") from None
             raise
-        self.sock.settimeout(None)  # blocking; each call arms the socket's timeouts (_arm)
+        if self._tls:
+            self.sock.settimeout(None)  # blocking; each call arms its timeouts (_arm)
+        else:
+            self.sock.settimeout(0.0)  # non-blocking for good; waits are polls (_arm)
+            self._pollin, self._pollout = select.poll(), select.poll()
+            self._pollin.register(self.sock.fileno(), select.POLLIN)
+            self._pollout.register(self.sock.fileno(), select.POLLOUT)
 
     def _handshake(self, host: str, tls: ssl.SSLContext | None, deadline: float) -> None:
         """TLS if asked, the client preface, and etcd's SETTINGS: a request is never sent
@@ -270,7 +285,7 @@ class _Http2:
                 if len(message) <= room:
                     self._send_window -= len(message)
                     self._stream_window -= len(message)
-                    self.sock.sendall(out + _frame(_DATA, _END_STREAM, stream, message) + acks)
+                    self._sendall(out + _frame(_DATA, _END_STREAM, stream, message) + acks)
                     break
                 if room > 0:
                     out += _frame(_DATA, 0, stream, message[:room])
@@ -279,7 +294,7 @@ class _Http2:
                     self._stream_window -= room
                     continue
                 if out:  # (with the acknowledgements: the wait may be long)
-                    self.sock.sendall(out + acks)
+                    self._sendall(out + acks)
                     out = acks = b""
                 self._read(stream, deadline)  # until a WINDOW_UPDATE (or the answer)
                 if self._status is not None:  # answered before the request was whole
@@ -345,15 +360,20 @@ class _Http2:
                 owed, self._owed = self._owed, b""
                 self._arm(deadline)
                 try:
-                    self.sock.sendall(owed)
+                    self._sendall(owed)
                 except BaseException:  # perhaps half written: a later call would follow it
                     self.reusable = False
                     raise
             else:
                 until = due
-        self.sock.settimeout(max(0.001, until - now))
         try:
+            if self._pollin is None:  # TLS: the socket's timeout bounds the wait
+                self.sock.settimeout(max(0.001, until - now))
+            elif not self._pollin.poll(max(1, math.ceil((until - now) * 1000))):
+                raise TimeoutError
             data = self.sock.recv(1 << 18)
+        except BlockingIOError:  # polled ready, nothing to read after all: read again
+            return
         except TimeoutError:
             if until < deadline:
                 return  # time to acknowledge what is owed; the caller reads again
@@ -365,11 +385,37 @@ class _Http2:
         self._receive(data, stream)
 
     def _arm(self, deadline: float) -> None:
-        """Let the socket's sends and receives wait until ``deadline`` at most: Python's
-        socket timeouts, which poll() against the time left before each wait, resume
-        after a signal with what is left (the kernel's SO_RCVTIMEO starts over), and bound
-        a ``sendall`` as a whole."""
-        self.sock.settimeout(max(0.001, deadline - time.monotonic()))
+        """Let the socket's sends and receives wait until ``deadline`` at most.
+
+        A plaintext socket is non-blocking: a send or receive is one system call, and a
+        wait is one ``poll`` against the time left (:meth:`_sendall`, :meth:`_read`), so a
+        call is four system calls that let go of the GIL (the pool's peek, a send, a poll,
+        a receive) where Python's socket timeouts made eight (a timeout set is an
+        ``ioctl`` each time, and a send with a timeout polls first), each a hand-off of
+        the GIL when the process's other threads want it. Under TLS the socket keeps
+        Python's timeouts, which also resume after a signal with what is left and bound a
+        ``sendall`` as a whole."""
+        self._deadline = deadline
+        if self._pollin is None:
+            self.sock.settimeout(max(0.001, deadline - time.monotonic()))
+
+    def _sendall(self, data: bytes) -> None:
+        """Send all of ``data`` by the armed deadline (TimeoutError past it)."""
+        if self._pollout is None:
+            self.sock.sendall(data)
+            return
+        while True:
+            try:
+                sent = self.sock.send(data)
+            except BlockingIOError:
+                sent = 0
+            if sent >= len(data):
+                return
+            data = data[sent:]
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            self._pollout.poll(max(1, math.ceil(left * 1000)))
 
     def _receive(self, data: bytes, stream: int) -> None:
         buf = self._inbuf
@@ -426,15 +472,15 @@ class _Http2:
             elif ident == SETTINGS_MAX_FRAME_SIZE:
                 self._max_frame = value
         self._settings_seen = True
-        self.sock.sendall(_frame(_SETTINGS, _ACK, 0))
+        self._sendall(_frame(_SETTINGS, _ACK, 0))
 
     def _on_data(self, on: int, flags: int, payload: bytes, stream: int) -> None:
         self._uncredited += len(payload)
         if self._uncredited >= WINDOW // 2:
             credit = self._uncredited.to_bytes(4, "big")
             self._uncredited = 0
-            self.sock.sendall(_frame(_WINDOW_UPDATE, 0, 0, credit)
-                              + _frame(_WINDOW_UPDATE, 0, on, credit))
+            self._sendall(_frame(_WINDOW_UPDATE, 0, 0, credit)
+                          + _frame(_WINDOW_UPDATE, 0, on, credit))
         if on != stream:
             return
         if flags & _PADDED:
@@ -520,8 +566,10 @@ class _Http2:
         sock = self.sock
         try:
             # Non-blocking (a call arms its own timeouts): with a timeout Python would wait
-            # for the socket before even a peek.
-            sock.settimeout(0.0)
+            # for the socket before even a peek. (A plaintext one always is.)
+            self._deadline = 0.0  # nothing here waits
+            if self._pollin is None:
+                sock.settimeout(0.0)
             # Unless TLS holds decrypted bytes, a peek at the TCP socket itself (below
             # TLS): nothing (BlockingIOError), data, or its end.
             decrypted = isinstance(sock, ssl.SSLSocket) and sock.pending() > 0

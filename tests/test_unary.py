@@ -833,3 +833,100 @@ def test_pings_are_acknowledged_while_a_call_waits_long() -> None:
         channel.close()
         peer.close()
     assert (6, 1, b"keepaliv") in frames
+
+
+#: The socket methods a _RecordingSocket saw called, in order.
+_SOCKET_CALLS: list[str] = []
+
+
+class _RecordingSocket(socket.socket):
+    """A connection's own socket, its class swapped in place, recording what it is asked."""
+
+    __slots__ = ()
+
+    def settimeout(self, value: float | None) -> None:
+        _SOCKET_CALLS.append("settimeout")
+        super().settimeout(value)
+
+    def send(self, data: Any, *args: Any) -> int:
+        _SOCKET_CALLS.append("send")
+        return super().send(data, *args)
+
+    def sendall(self, data: Any, *args: Any) -> None:
+        _SOCKET_CALLS.append("sendall")
+        super().sendall(data, *args)
+
+    def recv(self, size: int, *args: Any) -> bytes:
+        _SOCKET_CALLS.append("recv")
+        return super().recv(size, *args)
+
+
+def test_a_plaintext_call_sends_and_waits_without_a_socket_timeout(etcd: LocalEtcd,
+                                                                    prefix: str) -> None:
+    """A plaintext connection stays non-blocking: a call is one send, a poll and a receive
+    (and the pool's peek). Python's socket timeouts cost an ``ioctl`` per timeout set and a
+    poll before every send, each a release of the GIL (a hand-off when the process's other
+    threads want it)."""
+    channel, rpc = _channel(_target(etcd))
+    try:
+        channel.warm(5)
+        conn = channel._idle[0]
+        conn.sock.__class__ = _RecordingSocket
+        _SOCKET_CALLS.clear()
+        for i in range(20):
+            rpc.put(etcdrpc.PutRequest(key=f"{prefix}k{i}".encode(), value=b"v"), timeout=5)
+        assert channel._idle == [conn]  # the same connection all along
+        assert "settimeout" not in _SOCKET_CALLS
+        assert "sendall" not in _SOCKET_CALLS
+        assert _SOCKET_CALLS.count("send") >= 20 and _SOCKET_CALLS.count("recv") >= 20
+    finally:
+        channel.close()
+
+
+def test_a_request_the_socket_takes_in_parts_goes_out_whole(etcd: LocalEtcd,
+                                                            prefix: str) -> None:
+    """With a send buffer of a few KiB each send takes a part of a 1 MiB request; the rest
+    waits for room (a poll) and follows, and etcd gets it whole."""
+    channel, rpc = _channel(_target(etcd))
+    try:
+        channel.warm(5)
+        conn = channel._idle[0]
+        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        conn.sock.__class__ = _RecordingSocket
+        _SOCKET_CALLS.clear()
+        big = os.urandom(1 << 20)
+        rpc.put(etcdrpc.PutRequest(key=f"{prefix}big".encode(), value=big), timeout=20)
+        assert _SOCKET_CALLS.count("send") > 20  # in parts
+        got = rpc.range(etcdrpc.RangeRequest(key=f"{prefix}big".encode()), timeout=20)
+        assert got.kvs[0].value == big
+    finally:
+        channel.close()
+
+
+def test_a_send_that_finds_no_room_fails_by_the_deadline() -> None:
+    """A peer that grants a large flow-control window and then reads nothing: the request
+    fills the socket's buffers and the send waits for room until the call's deadline."""
+    done = threading.Event()
+
+    def deaf(conn: socket.socket) -> None:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        _read_preface(conn)
+        window = (1 << 31) - 1
+        conn.sendall(_frame(4, 0, 0, (4).to_bytes(2, "big") + window.to_bytes(4, "big"))
+                     + _frame(8, 0, 0, (window - 65_535).to_bytes(4, "big")))
+        done.wait(30)
+
+    peer = _Peer(deaf)
+    channel, rpc = _channel(peer.target)
+    try:
+        channel.warm(5)
+        channel._idle[0].sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        request = etcdrpc.PutRequest(key=b"k", value=os.urandom(1 << 20))
+        error, took = _fails(rpc.put, request, 0.5)
+        assert error.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert 0.45 <= took < 2.0, took
+        assert not channel._open and not channel._idle  # half sent: never reused
+    finally:
+        done.set()
+        channel.close()
+        peer.close()
