@@ -393,9 +393,13 @@ class ReadThrough:
     def wait_steps(self, name: str, deadline: float, timeout: Timeout) -> Steps[bytes]:
         """Block until ``name`` exists (woken by the watch) and return its value; raise
         StoreTimeoutError at ``deadline``, also when etcd is unreachable until then."""
-        waiter = yield NEW_WAITER
         cache = self._cache
-        cache.add_waiter(name, waiter)
+        # Registered before the first look: a change between a look and the pause wakes
+        # it. A look whose deadline has passed already (a zero timeout: torch's
+        # non-blocking reads) never pauses, and takes no waiter (nor wakes a paced watch).
+        waiter = (yield NEW_WAITER) if self._clock.monotonic() < deadline else None
+        if waiter is not None:
+            cache.add_waiter(name, waiter)
         outage: EtcdConnectionError | None = None
         try:
             while True:
@@ -413,11 +417,17 @@ class ReadThrough:
                         value, outage = None, exc
                 if value is not None:
                     return value
-                value = yield Pause(waiter, self.pause(name, deadline, timeout, outage))
+                pause = self.pause(name, deadline, timeout, outage)  # raises at the deadline
+                if waiter is None:  # (only a clock that went back gets here) register, look
+                    waiter = yield NEW_WAITER
+                    cache.add_waiter(name, waiter)
+                    continue
+                value = yield Pause(waiter, pause)
                 if value is not None:
                     return value
         finally:
-            cache.remove_waiter(name, waiter)
+            if waiter is not None:
+                cache.remove_waiter(name, waiter)
 
     def _waited(self, name: str, deadline: float, timeout: Timeout, default: Any
                 ) -> Steps[bytes | None]:

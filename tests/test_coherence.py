@@ -353,3 +353,22 @@ def test_resync_after_compaction_reloads_a_small_prefix(etcd, prefix):
         assert store.mget(["k", "new"]) == [b"v2", b"n"]
         assert store.get("missing", default=None, timeout=0.05) is None
         assert rpc_count(store.registry, "range") == ranges
+
+
+@pytest.mark.parametrize("scope", ["prefix", "touched"])
+def test_a_zero_timeout_read_takes_no_waiter_and_a_blocking_one_does(etcd, prefix, scope):
+    """A read whose deadline has already passed never pauses: it looks (and reads through
+    if it must) without registering a waiter, so it neither counts as blocked nor wakes a
+    paced watch (``on_waiter`` hurries it). One that may wait registers before its first
+    look."""
+    with open_store(etcd, prefix, watch_scope=scope) as store:
+        added: list[int] = []
+        hurry = store._cache.on_waiter
+        store._cache.on_waiter = lambda: (added.append(1), hurry and hurry())
+        assert store.get("absent", default=None, timeout=0) is None
+        assert store.mget(["absent", "also/absent"], default=None, timeout=0) == [None, None]
+        assert store.check(["absent"]) is False
+        assert added == []
+        assert store.get("absent", default=None, timeout=0.05) is None  # waited, timed out
+        assert added == [1]
+        assert store.stats()["waiters"] == 0
