@@ -8,10 +8,11 @@ this module makes them and exports them.
   a histogram its bucket counts and sum under one lock (:class:`HistogramValue`), and the
   registry holds one collector that reads them at each collection. Making a child costs one
   small object; prometheus-client's ``labels()`` builds a metric object, validates its
-  labels and makes a locked value per bucket, which was about a quarter of a fresh store's
-  first ``set`` or ``wait``. An update is one Python call (prometheus-client's take two or
-  three). The exposition is the one prometheus-client would write for the same updates,
-  less the ``_created`` series (``tests/test_metric_families.py`` compares them).
+  labels and makes a locked value per bucket, which was about a third of a fresh store's
+  first ``set`` or ``wait`` (``benchmarks/fanout/notes.md``, "a fifth cut"). An update is
+  one Python call (prometheus-client's take two or three). The exposition is the one
+  prometheus-client would write for the same updates, less the ``_created`` series
+  (``tests/test_metric_families.py`` compares them).
 * **In prometheus-client's multiprocess mode** (``PROMETHEUS_MULTIPROC_DIR`` set before it
   was imported) every update must reach the process's files, which the scraping process
   reads: the children are prometheus-client's own, made with ``labels()``
@@ -174,8 +175,9 @@ class LocalFamilies(Collector):
 
     A child costs one small object when first used (prometheus-client's ``labels()`` builds
     a metric object, validates its labels and, for a histogram, a locked value per bucket:
-    about a tenth of a fresh store's first operation). Children are kept for the registry's
-    life, shared by the stores on it, so that counts only grow. No ``_created`` series.
+    about a third of a fresh store's first ``set`` or ``wait``). Children are kept for the
+    registry's life, shared by the stores on it, so that counts only grow. No ``_created``
+    series.
     """
 
     def __init__(self, buckets: tuple[float, ...]) -> None:
