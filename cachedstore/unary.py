@@ -399,7 +399,7 @@ class _Http2:
         if self._pollin is None:
             self.sock.settimeout(max(0.001, deadline - time.monotonic()))
 
-    def _sendall(self, data: bytes) -> None:
+    def _sendall(self, data: bytes | memoryview) -> None:
         """Send all of ``data`` by the armed deadline (TimeoutError past it)."""
         if self._pollout is None:
             self.sock.sendall(data)
@@ -411,7 +411,7 @@ class _Http2:
                 sent = 0
             if sent >= len(data):
                 return
-            data = data[sent:]
+            data = memoryview(data)[sent:]  # the rest, not copied
             left = self._deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError
