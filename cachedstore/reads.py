@@ -417,12 +417,9 @@ class ReadThrough:
                         value, outage = None, exc
                 if value is not None:
                     return value
-                pause = self.pause(name, deadline, timeout, outage)  # raises at the deadline
-                if waiter is None:  # (only a clock that went back gets here) register, look
-                    waiter = yield NEW_WAITER
-                    cache.add_waiter(name, waiter)
-                    continue
-                value = yield Pause(waiter, pause)
+                # Raises once the deadline has passed: always, for a look that took no
+                # waiter (the clock only ever increases).
+                value = yield Pause(waiter, self.pause(name, deadline, timeout, outage))
                 if value is not None:
                     return value
         finally:
