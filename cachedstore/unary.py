@@ -186,7 +186,8 @@ class _Http2:
         self._deadline = deadline
         self.sock: socket.socket | ssl.SSLSocket
         #: A plaintext socket stays non-blocking once connected, and its waits are these
-        #: polls (see _arm); under TLS, Python's socket timeouts bound each operation.
+        #: polls (see _arm); under TLS, and during the handshake (whose SETTINGS are
+        #: acknowledged through _sendall), Python's socket timeouts bound each operation.
         self._pollin: Any = None
         self._pollout: Any = None
         try:
