@@ -252,17 +252,14 @@ class PrometheusCollector(Collector):
     """prometheus-client's families in one registry (multiprocess mode), exported without
     their ``_created`` samples."""
 
-    def __init__(self, families: Sequence[Counter | Gauge | Histogram],
-                 before: Callable[[], None]) -> None:
+    def __init__(self, families: Sequence[Counter | Gauge | Histogram]) -> None:
         self._families = tuple(families)
-        self._before = before
 
     def describe(self) -> Iterable[Metric]:
         for family in self._families:
             yield from family.describe()
 
     def collect(self) -> Iterable[Metric]:
-        self._before()
         for family in self._families:
             for metric in family.collect():
                 samples = [s for s in metric.samples if not s.name.endswith("_created")]
@@ -279,6 +276,7 @@ class SharedFamilies:
     There every value must be prometheus-client's own (it writes each update to the
     process's files, which the scraping process reads), so the children are made with
     ``labels()``, and the families are registered through :class:`PrometheusCollector`.
+    A hit counter's ticks increment its child as they happen: nothing waits for a flush.
     """
 
     def __init__(self, registry: CollectorRegistry, buckets: tuple[float, ...]) -> None:
@@ -294,7 +292,7 @@ class SharedFamilies:
             kind = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}[spec.kind]
             self._families[spec.attr] = kind(spec.name, spec.doc, spec.labels, **kw)
         self.hits: dict[str, HitCounter] = {}
-        registry.register(PrometheusCollector(list(self._families.values()), self.flush_hits))
+        registry.register(PrometheusCollector(list(self._families.values())))
 
     def child(self, attr: str, *labels: str) -> Any:
         family = self._families[attr]
@@ -306,11 +304,6 @@ class SharedFamilies:
             if counter is None:
                 counter = self.hits[op] = HitCounter(self.child("cache_requests", op, "hit"))
             return counter
-
-    def flush_hits(self) -> None:
-        with self._lock:
-            for counter in self.hits.values():
-                counter.flush()
 
 
 class _Calls:
