@@ -1,10 +1,15 @@
 """Client CPU per rank, this tree against an earlier revision, side by side in one run.
 
-``python -m benchmarks.fanout.compare --against REV [--ws 16] [--reps 5] [--rounds 2]``
-checks ``REV`` out into a temporary git worktree and, round by round, runs the same fan-out
-patterns (:func:`~benchmarks.fanout.simulator.run_pattern`, ranks as threads of one
-process, fresh stores each time) once on that tree and once on this one, each in a child
-process with its own throw-away etcd, alternating which goes first. It prints a markdown
+``python -m benchmarks.fanout.compare --against REV [--ws 16] [--reps 5] [--rounds 2]
+[--processes N]`` checks ``REV`` out into a temporary git worktree and, round by round, runs
+the same fan-out patterns (:func:`~benchmarks.fanout.simulator.run_pattern`, fresh stores
+each time) once on that tree and once on this one, each in a child process with its own
+throw-away etcd, alternating which goes first. The ranks are threads of that child
+(``--processes 0``, the default) or are spread over ``N`` spawned worker processes
+(``--processes W``: one rank per process, as a job places them; each run then pays the
+workers' start, not measured, so it is slower). The placement changes what a rank pays:
+threads of one process hand one GIL to each other at every system call, which separate
+processes do not, while a process of its own runs its code cold once. It prints a markdown
 table: per pattern, each side's median client CPU per rank (process CPU over W, during the
 measured steps) over every run of every round, split by thread (the ranks', the watches',
 the rest: other Python threads and threads Python did not start, i.e. gRPC's core), and
@@ -33,7 +38,8 @@ PATTERNS = ("nccl_broadcast", "store_barrier", "store_api_barrier", "elastic_bar
 KINDS = ("rank", "watch", "other")
 
 
-def _child(world: int, reps: int, patterns: list[str], budget: float) -> None:
+def _child(world: int, reps: int, patterns: list[str], budget: float,
+           processes: int) -> None:
     """In a child process: one etcd, each pattern ``reps`` times; a JSON line per run."""
     import logging
 
@@ -45,7 +51,7 @@ def _child(world: int, reps: int, patterns: list[str], budget: float) -> None:
         endpoint = etcd.endpoint.split("://")[-1]
         for pattern in patterns:
             for _ in range(reps):
-                r = run_pattern(pattern, world, endpoint, etcd.metrics_url, processes=0,
+                r = run_pattern(pattern, world, endpoint, etcd.metrics_url, processes=processes,
                                 budget=budget)
                 by = r.cpu_by_thread
                 print(json.dumps({
@@ -60,7 +66,7 @@ def _run_side(tree: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     env = {**os.environ, "PYTHONPATH": tree}
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--ws", str(args.ws),
            "--reps", str(args.reps), "--patterns", ",".join(args.patterns),
-           "--budget", str(args.budget)]
+           "--budget", str(args.budget), "--processes", str(args.processes)]
     out = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True,
                          timeout=args.child_timeout, check=False)
     runs = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
@@ -95,12 +101,14 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5, help="runs per pattern per round")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--patterns", type=lambda s: s.split(","), default=list(PATTERNS))
+    parser.add_argument("--processes", type=int, default=0,
+                        help="0: ranks as threads of one process; N: over N processes")
     parser.add_argument("--budget", type=float, default=60.0)
     parser.add_argument("--child-timeout", type=float, default=900.0)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        _child(args.ws, args.reps, args.patterns, args.budget)
+        _child(args.ws, args.reps, args.patterns, args.budget, args.processes)
         return
     if not args.against:
         parser.error("--against REV is required")
@@ -119,6 +127,10 @@ def main() -> None:
         finally:
             subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", tree],
                            check=False)
+    placement = "threads of one process" if not args.processes \
+        else f"{args.processes} processes"
+    print(f"W = {args.ws}, ranks as {placement}; {args.rounds} rounds of {args.reps} runs "
+          f"per pattern and side; medians\n")
     print(table(before, now, args.against, args.patterns))
 
 
