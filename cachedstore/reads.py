@@ -10,11 +10,16 @@ inside a wait outlasts the wait by at most ``MIN_ROUND_TRIP`` (250 ms: the least
 is given, so that ``timeout=0`` still reads a key that exists but is not cached), and a
 wait that ends while etcd is unreachable raises
 :class:`~cachedstore.StoreTimeoutError` (its ``__cause__`` says etcd was unreachable).
+A look (a read with a zero or short wait) made for a longer operation -- ``wait_until``'s
+``ready()``, a queue's pop, torch's blocking reads -- takes that operation's deadline
+instead (:meth:`ReadThrough.within`): a slow etcd fails none of its round trips early.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from datetime import timedelta
 from typing import Any
 
@@ -44,6 +49,10 @@ MAX_WAIT = 3600.0
 #: The least time an etcd round trip of a blocking read is given (see ``call_deadline``):
 #: how much a wait that meets an outage can overrun its timeout, at most.
 MIN_ROUND_TRIP = 0.25
+#: The operation the reads of this thread (or task) belong to, if any: (its store's
+#: ReadThrough, its deadline on that store's clock); see :meth:`ReadThrough.within`.
+_OPERATION: ContextVar[tuple[object, float] | None] = ContextVar(
+    "cachedstore_operation", default=None)
 #: While etcd is unreachable, a waiter re-checks at most this often (it is also nudged the
 #: moment the watch is back).
 OUTAGE_RECHECK = 2.0
@@ -142,10 +151,36 @@ class ReadThrough:
         """An etcd round trip's deadline: the request timeout, cut to the wait's deadline
         but never below :data:`MIN_ROUND_TRIP` from now, so that a wait of 0 s (or one
         whose deadline has just passed) can still read a key that exists but is not
-        cached, instead of failing as if etcd were unreachable."""
+        cached, instead of failing as if etcd were unreachable; and never below the
+        deadline of the operation the read belongs to (:meth:`within`)."""
         now = self._clock.monotonic()
         own = now + self._config.request_timeout
-        return own if deadline is None else min(own, max(deadline, now + MIN_ROUND_TRIP))
+        if deadline is None:
+            return own
+        floor = now + MIN_ROUND_TRIP
+        operation = _OPERATION.get()
+        if operation is not None and operation[0] is self and operation[1] > floor:
+            floor = operation[1]
+        return min(own, max(deadline, floor))
+
+    @contextmanager
+    def within(self, seconds: float) -> Iterator[None]:
+        """The reads of this store made inside, on this thread (or asyncio task), belong
+        to an operation that ends ``seconds`` from now: each etcd round trip of theirs is
+        given until then (and ``request_timeout`` at most), whatever the read's own wait,
+        instead of :data:`MIN_ROUND_TRIP` for a look that does not wait.
+
+        Why: an operation that waits by looking again and again (``wait_until``'s
+        ``ready()``, a queue's pop, torch's ``get``/``multi_get``/``wait``) would fail
+        every look that a slow etcd answers after 250 ms, and retry it on a new
+        connection (the late call is abandoned, or left to finish, on its own) while etcd
+        still serves the first one: the slower etcd, the more it is asked. Nests (the
+        innermost operation applies); another store's reads keep their own rule."""
+        token = _OPERATION.set((self, self._clock.monotonic() + max(0.0, seconds)))
+        try:
+            yield
+        finally:
+            _OPERATION.reset(token)
 
     # -- what the cache may answer -------------------------------------------------------------
     def cached(self, canonical: str, blocking: bool = False) -> Entry | None:
@@ -449,9 +484,10 @@ class ReadThrough:
         not: the next ``ready()`` may open them). StoreTimeoutError (``message()``) once
         ``deadline`` (a time of ``clock``, the store's by default) passed
         with ``ready()`` false; a wait that ends at the deadline raises without asking
-        again. ``ready`` may read etcd and has to be thread-safe; the waits poll nothing.
-        Every waiter of the store that is not a read (queue pops, torch's ``wait`` of keys
-        and queues) waits through here."""
+        again. ``ready`` may read etcd and has to be thread-safe; the waits poll nothing;
+        its reads of this store are this wait's (:meth:`within`): a round trip of theirs
+        may take until ``deadline``. Every waiter of the store that is not a read (queue
+        pops, torch's ``wait`` of keys and queues) waits through here."""
         clock = clock or self._clock
         cache = self._cache
         names, prefixes = list(names), list(prefixes)
@@ -461,24 +497,33 @@ class ReadThrough:
         for prefix in prefixes:
             cache.add_prefix_waiter(prefix, waiter)
         try:
-            while True:
-                self._check_open()
-                waiter.event.clear()  # before asking: a change meanwhile sets it again
-                if ready():
-                    return
-                remaining = deadline - clock.monotonic()
-                if remaining <= 0:
-                    raise StoreTimeoutError(message())
-                pause = self._recheck_within(remaining, lambda: (
-                    not all(cache.watches(n) for n in names)
-                    or (covered is not None and not covered())))
-                if not clock.wait(waiter.event, pause) and pause == remaining:
-                    raise StoreTimeoutError(message())
+            # ready()'s looks are this wait's: their round trips get its deadline.
+            with self.within(deadline - clock.monotonic()):
+                self._wait_loop(ready, names, waiter, deadline, clock, covered, message)
         finally:
             for name in names:
                 cache.remove_waiter(name, waiter)
             for prefix in prefixes:
                 cache.remove_prefix_waiter(prefix, waiter)
+
+    def _wait_loop(self, ready: Callable[[], bool], names: list[str], waiter: ThreadWaiter,
+                   deadline: float, clock: Clock, covered: Callable[[], bool] | None,
+                   message: Callable[[], str]) -> None:
+        """:meth:`wait_until`'s loop: ask, then wait for a change (or a recheck)."""
+        cache = self._cache
+        while True:
+            self._check_open()
+            waiter.event.clear()  # before asking: a change meanwhile sets it again
+            if ready():
+                return
+            remaining = deadline - clock.monotonic()
+            if remaining <= 0:
+                raise StoreTimeoutError(message())
+            pause = self._recheck_within(remaining, lambda: (
+                not all(cache.watches(n) for n in names)
+                or (covered is not None and not covered())))
+            if not clock.wait(waiter.event, pause) and pause == remaining:
+                raise StoreTimeoutError(message())
 
     # -- get / mget / check past the hot path --------------------------------------------------
     def get_steps(self, op: str, name: object, default: Any, timeout: Timeout,

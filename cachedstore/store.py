@@ -488,7 +488,10 @@ class EtcdStore:
         it). ``timeout`` defaults to the store's; its passing raises StoreTimeoutError (a
         TimeoutError) without asking ``ready()`` again.
         ``ready`` runs on the calling thread and may read the store (or etcd); exceptions
-        it raises propagate. ``clock`` times the wait (default: the store's). Thread-safe.
+        it raises propagate. Its reads of this store belong to the wait: each etcd round
+        trip of theirs may take until the wait's deadline (``request_timeout`` at most),
+        even a ``timeout=0`` look's, which alone gets 250 ms. ``clock`` times the wait
+        (default: the store's). Thread-safe.
         """
         wait = seconds(self._config.timeout if timeout is None else timeout)
         assert wait is not None

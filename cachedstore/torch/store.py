@@ -292,8 +292,9 @@ class TorchEtcdStore(dist.Store):
 
     # -- blocking reads: a wait that meets an outage ends as a timeout ---------------------
     def _until_deadline(self, what: str, wait: float, attempt: Callable[[float], T]) -> T:
-        """Run ``attempt(remaining seconds)``; while it fails because etcd is unreachable
-        and the wait's deadline has not passed, back off and try again. A timeout -- the
+        """Run ``attempt(remaining seconds)``, its etcd round trips given what remains;
+        while it fails because etcd is unreachable and the wait's deadline has not passed,
+        back off and try again. A timeout -- the
         attempt's own, or the deadline reached during an outage -- raises torch's timeout
         error; other errors their torch equivalents."""
         clock = self._clock
@@ -301,7 +302,13 @@ class TorchEtcdStore(dist.Store):
         failures = 0
         while True:
             try:
-                return attempt(max(0.0, deadline - clock.monotonic()))
+                left = max(0.0, deadline - clock.monotonic())
+                # The attempt's looks (reads that do not wait) are this operation's: each
+                # round trip may take what is left of it (and request_timeout), not 250 ms
+                # (ReadThrough.within): under a slow etcd, no look fails early, to be
+                # retried on a new connection while etcd still serves the first.
+                with self._etcd._reads.within(left):  # noqa: SLF001
+                    return attempt(left)
             except TLSError as exc:  # a configuration error: waiting will not fix it
                 raise _translate(exc, what) from exc
             except EtcdConnectionError as exc:

@@ -1,0 +1,108 @@
+"""A look made for a longer operation has that operation's time for its etcd round trips.
+
+A read that does not wait (``timeout=0``) gives its round trip ``MIN_ROUND_TRIP`` (250 ms),
+so that a blocking read outlasts its own timeout by that much at most. But an operation
+that waits by looking again and again -- ``wait_until``'s ``ready()``, torch's ``get``,
+``multi_get`` and ``wait`` -- made each of its looks that way too: under a slow etcd
+(fan-out W = 1,024 on 2 cores: round trips past 250 ms) every look failed, was retried on
+a new connection while etcd still served the first, and each retry loaded etcd further
+(669-912 connections opened per worker process of 256 ranks instead of 256). Here the
+deadline each round trip is given is read off the requests themselves, as the connection
+receives them: no timing, no sleeps.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from util import raw_client
+
+from cachedstore import EtcdStore
+from cachedstore.reads import MIN_ROUND_TRIP
+from cachedstore.torch import TorchEtcdStore
+
+pytestmark = pytest.mark.timeout(60)
+
+#: Comfortably below a round trip given the request timeout (10 s), far above 250 ms.
+LONG = 5.0
+
+
+def _record_deadlines(store: EtcdStore) -> list[tuple[str, float]]:
+    """Every etcd request the store's reads send from now on, as (method, seconds its
+    deadline leaves when the connection receives it)."""
+    reads = store._reads
+    conn, clock = reads._conn, reads._clock
+    seen: list[tuple[str, float]] = []
+    call = conn.call
+
+    def recording(method: str, request: Any, *, deadline: float, **kwargs: Any) -> Any:
+        seen.append((method, deadline - clock.monotonic()))
+        return call(method, request, deadline=deadline, **kwargs)
+
+    conn.call = recording  # type: ignore[method-assign]
+    return seen
+
+
+def _reads_of(seen: list[tuple[str, float]]) -> list[float]:
+    return [left for method, left in seen if method in ("range", "txn")]
+
+
+@pytest.mark.parametrize("options", [{"watch_scope": "touched"},
+                                     {"watch_scope": "prefix", "preload_limit": 0}])
+def test_looks_inside_wait_until_get_its_deadline_and_a_bare_look_keeps_250_ms(
+        etcd, prefix, options):
+    """A zero-timeout ``get`` of a key the cache cannot answer reads etcd either way: by
+    itself, its round trip gets 250 ms (the promise that a blocking read outlasts its
+    timeout by that much at most); asked by ``wait_until``'s ``ready()``, it gets what
+    remains of the wait, capped by ``request_timeout``."""
+    client = raw_client(etcd)
+    client.put(f"{prefix}alone", b"1")
+    client.put(f"{prefix}inside", b"2")
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, **options) as store:
+        seen = _record_deadlines(store)
+        assert store.get("alone", None, timeout=0) == b"1"
+        alone = _reads_of(seen)
+        assert alone and max(alone) <= MIN_ROUND_TRIP, seen
+        seen.clear()
+        store.wait_until(lambda: store.get("inside", None, timeout=0) == b"2",
+                         names=["inside"], timeout=30)
+        inside = _reads_of(seen)
+        assert inside and min(inside) > LONG, seen
+        assert max(inside) <= store.config.request_timeout, seen
+    client.close()
+
+
+def test_another_stores_look_inside_a_wait_keeps_its_own_rule(etcd, prefix):
+    """The operation is the waiting store's: a look at another store made inside its
+    ``ready()`` is that store's own bare look (250 ms)."""
+    client = raw_client(etcd)
+    client.put(f"{prefix}other", b"1")
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, watch_scope="touched") as a, \
+            EtcdStore(endpoints=[etcd.endpoint], prefix=prefix,
+                      watch_scope="touched") as b:
+        seen = _record_deadlines(b)
+        a.wait_until(lambda: b.get("other", None, timeout=0) == b"1", timeout=30)
+        looks = _reads_of(seen)
+        assert looks and max(looks) <= MIN_ROUND_TRIP, seen
+    client.close()
+
+
+def test_torch_blocking_reads_give_their_looks_the_store_timeout(etcd, prefix):
+    """torch's ``multi_get`` and ``wait`` of keys another client wrote (not cached: a store
+    watching what it touched opens their scopes with a read): every round trip of theirs
+    gets the request timeout (the store timeout, 30 s, is longer), none 250 ms."""
+    client = raw_client(etcd)
+    names = [f"group/{i}" for i in range(3)]
+    for name in names:
+        client.put(f"{prefix}{name}", name.encode())
+    client.put(f"{prefix}flag", b"1")
+    with TorchEtcdStore(endpoints=[etcd.endpoint], prefix=prefix,
+                        timeout=timedelta(seconds=30)) as store:
+        seen = _record_deadlines(store._etcd)
+        assert store.multi_get(names) == [n.encode() for n in names]
+        store.wait(["flag"])
+        looks = _reads_of(seen)
+        assert looks and min(looks) > LONG, seen
+    client.close()
