@@ -49,7 +49,7 @@ MAX_WAIT = 3600.0
 #: The least time an etcd round trip of a blocking read is given (see ``call_deadline``):
 #: how much a wait that meets an outage can overrun its timeout, at most.
 MIN_ROUND_TRIP = 0.25
-#: The operation the reads of this thread (or task) belong to, if any: (its store's
+#: The operation the reads of this thread belong to, if any: (its store's
 #: ReadThrough, its deadline on that store's clock); see :meth:`ReadThrough.within`.
 _OPERATION: ContextVar[tuple[object, float] | None] = ContextVar(
     "cachedstore_operation", default=None)
@@ -165,7 +165,7 @@ class ReadThrough:
 
     @contextmanager
     def within(self, seconds: float) -> Iterator[None]:
-        """The reads of this store made inside, on this thread (or asyncio task), belong
+        """The reads of this store made inside, on this thread (a context variable), belong
         to an operation that ends ``seconds`` from now: each etcd round trip of theirs is
         given until then (and ``request_timeout`` at most), whatever the read's own wait,
         instead of :data:`MIN_ROUND_TRIP` for a look that does not wait.
