@@ -241,11 +241,15 @@ class LocalFamilies(Collector):
 _KINDS = {spec.attr: spec.kind for spec in SPECS}
 
 
+#: kind -> the metric family a collector fills, and prometheus-client's metric class.
+_FAMILY_OF = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily,
+              "histogram": HistogramMetricFamily}
+_METRIC_OF = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
+
+
 def _family(spec: FamilySpec) -> Any:
     """An empty metric family of ``spec``, for a collector to fill."""
-    kind = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily,
-            "histogram": HistogramMetricFamily}[spec.kind]
-    return kind(spec.name, spec.doc, labels=spec.labels)
+    return _FAMILY_OF[spec.kind](spec.name, spec.doc, labels=spec.labels)
 
 
 class PrometheusCollector(Collector):
@@ -289,8 +293,8 @@ class SharedFamilies:
                 kw["multiprocess_mode"] = spec.multiprocess_mode
             elif spec.kind == "histogram":
                 kw["buckets"] = buckets
-            kind = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}[spec.kind]
-            self._families[spec.attr] = kind(spec.name, spec.doc, spec.labels, **kw)
+            self._families[spec.attr] = _METRIC_OF[spec.kind](spec.name, spec.doc,
+                                                               spec.labels, **kw)
         self.hits: dict[str, HitCounter] = {}
         registry.register(PrometheusCollector(list(self._families.values())))
 

@@ -51,7 +51,7 @@ MAX_WAIT = 3600.0
 MIN_ROUND_TRIP = 0.25
 #: The operation the reads of this thread belong to, if any: (its store's
 #: ReadThrough, its deadline on that store's clock); see :meth:`ReadThrough.within`.
-_OPERATION: ContextVar[tuple[object, float] | None] = ContextVar(
+_OPERATION: ContextVar[tuple[ReadThrough, float] | None] = ContextVar(
     "cachedstore_operation", default=None)
 #: While etcd is unreachable, a waiter re-checks at most this often (it is also nudged the
 #: moment the watch is back).

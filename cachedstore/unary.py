@@ -126,6 +126,13 @@ def _replayed(history: tuple[bytes, ...]) -> hpack.Decoder:
     return decoder
 
 
+def _poll_ms(seconds: float) -> int:
+    """``poll()``'s timeout for a wait of ``seconds``: whole milliseconds, rounded up and at
+    least one, so that a poll never returns early while time is left (and never waits
+    forever, as a negative timeout would)."""
+    return max(1, math.ceil(seconds * 1000))
+
+
 def _lost(authority: str, exc: OSError) -> str:
     """The details of a connection lost once the request may have been sent: the error's
     kind and number only, never its text, which could read like a failure to connect
@@ -370,7 +377,7 @@ class _Http2:
         try:
             if self._pollin is None:  # TLS: the socket's timeout bounds the wait
                 self.sock.settimeout(max(0.001, until - now))
-            elif not self._pollin.poll(max(1, math.ceil((until - now) * 1000))):
+            elif not self._pollin.poll(_poll_ms(until - now)):
                 raise TimeoutError
             data = self.sock.recv(1 << 18)
         except BlockingIOError:  # polled ready, nothing to read after all: read again
@@ -416,7 +423,7 @@ class _Http2:
             left = self._deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError
-            self._pollout.poll(max(1, math.ceil(left * 1000)))
+            self._pollout.poll(_poll_ms(left))
 
     def _receive(self, data: bytes, stream: int) -> None:
         buf = self._inbuf

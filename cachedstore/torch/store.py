@@ -294,9 +294,9 @@ class TorchEtcdStore(dist.Store):
     def _until_deadline(self, what: str, wait: float, attempt: Callable[[float], T]) -> T:
         """Run ``attempt(remaining seconds)``, its etcd round trips given what remains;
         while it fails because etcd is unreachable and the wait's deadline has not passed,
-        back off and try again. A timeout -- the
-        attempt's own, or the deadline reached during an outage -- raises torch's timeout
-        error; other errors their torch equivalents."""
+        back off and try again. A timeout -- the attempt's own, or the deadline reached
+        during an outage -- raises torch's timeout error; other errors their torch
+        equivalents."""
         clock = self._clock
         deadline = clock.monotonic() + wait
         failures = 0
