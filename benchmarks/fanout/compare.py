@@ -1,7 +1,7 @@
 """Client CPU per rank, this tree against an earlier revision, side by side in one run.
 
 ``python -m benchmarks.fanout.compare --against REV [--ws 16] [--reps 5] [--rounds 2]
-[--processes N]`` checks ``REV`` out into a temporary git worktree and, round by round, runs
+[--processes N] [--floor]`` checks ``REV`` out into a temporary git worktree and, round by round, runs
 the same fan-out patterns (:func:`~benchmarks.fanout.simulator.run_pattern`, fresh stores
 each time) once on that tree and once on this one, each in a child process with its own
 throw-away etcd, alternating which goes first. The ranks are threads of that child
@@ -15,6 +15,11 @@ measured steps) over every run of every round, split by thread (the ranks', the 
 the rest: other Python threads and threads Python did not start, i.e. gRPC's core), and
 the ratio. The fan-out suite itself measures each pattern once per W; these repetitions
 are what a ratio between two revisions needs on a noisy 2-core machine.
+
+``--floor`` (threads only) also runs each pattern, in this tree's child, on one
+``HashStore`` the ranks share (``run_pattern(in_process=True)``): what the harness and
+torch's own Python cost a rank with a store that costs next to nothing. No store over a
+network goes below it, so ``floor / REV`` is the least ratio any change could reach.
 
 Bounds: every child has ``--budget`` seconds per run of a pattern and is killed after
 ``--child-timeout`` seconds; the worktree is removed at the end. Blocking; not thread-safe.
@@ -39,8 +44,9 @@ KINDS = ("rank", "watch", "other")
 
 
 def _child(world: int, reps: int, patterns: list[str], budget: float,
-           processes: int) -> None:
-    """In a child process: one etcd, each pattern ``reps`` times; a JSON line per run."""
+           processes: int, floor: bool) -> None:
+    """In a child process: one etcd, each pattern ``reps`` times; a JSON line per run (and
+    with ``floor`` one per run on the shared ``HashStore``, ``"side": "floor"``)."""
     import logging
 
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
@@ -50,11 +56,16 @@ def _child(world: int, reps: int, patterns: list[str], budget: float,
     with LocalEtcd() as etcd:
         endpoint = etcd.endpoint.split("://")[-1]
         for pattern in patterns:
-            for _ in range(reps):
-                r = run_pattern(pattern, world, endpoint, etcd.metrics_url, processes=processes,
-                                budget=budget)
+            for rep in range(reps * (2 if floor else 1)):
+                on_floor = floor and rep % 2 == 1  # alternated with the etcd runs
+                if on_floor:
+                    r = run_pattern(pattern, world, in_process=True, processes=0, budget=budget)
+                else:
+                    r = run_pattern(pattern, world, endpoint, etcd.metrics_url,
+                                    processes=processes, budget=budget)
                 by = r.cpu_by_thread
                 print(json.dumps({
+                    "side": "floor" if on_floor else "store",
                     "pattern": pattern, "ok": r.finished and not r.errors,
                     "cpu": r.client_cpu_s / world,
                     "rank": by.get("rank", 0.0) / world, "watch": by.get("watch", 0.0) / world,
@@ -67,6 +78,8 @@ def _run_side(tree: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--ws", str(args.ws),
            "--reps", str(args.reps), "--patterns", ",".join(args.patterns),
            "--budget", str(args.budget), "--processes", str(args.processes)]
+    if args.floor and tree == ROOT:
+        cmd.append("--floor")
     out = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True,
                          timeout=args.child_timeout, check=False)
     runs = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
@@ -75,22 +88,32 @@ def _run_side(tree: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     return runs
 
 
-def _median(runs: list[dict[str, Any]], pattern: str, key: str) -> float:
-    values = [r[key] for r in runs if r["pattern"] == pattern and r["ok"]]
+def _median(runs: list[dict[str, Any]], pattern: str, key: str, side: str = "store"
+            ) -> float:
+    values = [r[key] for r in runs
+              if r["pattern"] == pattern and r["ok"] and r.get("side", "store") == side]
     return statistics.median(values) * 1e6 if values else float("nan")
 
 
 def table(before: list[dict[str, Any]], now: list[dict[str, Any]], against: str,
           patterns: list[str]) -> str:
-    """The markdown table of medians (µs) and ratios."""
-    lines = [f"| pattern | {against}: CPU / rank | rank / watch / other | now: CPU / rank | "
-             f"rank / watch / other | now / {against} |", "|---|---|---|---|---|---|"]
+    """The markdown table of medians (µs) and ratios; with floor runs among ``now``, two
+    more columns: the floor's CPU per rank and ``floor / against``."""
+    floor = any(r.get("side") == "floor" for r in now)
+    head = f"| pattern | {against}: CPU / rank | rank / watch / other | now: CPU / rank | " \
+        f"rank / watch / other | now / {against} |"
+    if floor:
+        head += f" floor: CPU / rank | floor / {against} |"
+    lines = [head, "|---" * head.count(" | ") + "|---|"]
     for p in patterns:
         b, n = _median(before, p, "cpu"), _median(now, p, "cpu")
         parts = [" / ".join(f"{_median(side, p, k):,.0f}" for k in KINDS)
                  for side in (before, now)]
-        lines.append(f"| {p} | {b:,.0f} µs | {parts[0]} | {n:,.0f} µs | {parts[1]} | "
-                     f"{n / b:.2f} |")
+        line = f"| {p} | {b:,.0f} µs | {parts[0]} | {n:,.0f} µs | {parts[1]} | {n / b:.2f} |"
+        if floor:
+            f = _median(now, p, "cpu", "floor")
+            line += f" {f:,.0f} µs | {f / b:.2f} |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -105,13 +128,17 @@ def main() -> None:
                         help="0: ranks as threads of one process; N: over N processes")
     parser.add_argument("--budget", type=float, default=60.0)
     parser.add_argument("--child-timeout", type=float, default=900.0)
+    parser.add_argument("--floor", action="store_true",
+                        help="also run each pattern on one shared HashStore (threads only)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        _child(args.ws, args.reps, args.patterns, args.budget, args.processes)
+        _child(args.ws, args.reps, args.patterns, args.budget, args.processes, args.floor)
         return
     if not args.against:
         parser.error("--against REV is required")
+    if args.floor and args.processes:
+        parser.error("--floor needs the ranks as threads of one process (--processes 0)")
     with tempfile.TemporaryDirectory(prefix="fanout-compare-") as tmp:
         tree = os.path.join(tmp, "tree")
         subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", tree,

@@ -168,14 +168,16 @@ def _call_all(workers: list[Any], method: str, *args: Any, timeout: float) -> li
 
 def run_pattern(pattern: str, world: int, etcd_endpoint: str | None = None,
                 metrics_url: str | None = None, *, tcp_endpoint: str | None = None,
-                processes: int | None = None, budget: float = 120.0,
-                prefix: str | None = None) -> PatternResult:
+                in_process: bool = False, processes: int | None = None,
+                budget: float = 120.0, prefix: str | None = None) -> PatternResult:
     """Run ``pattern`` (a key of :data:`~benchmarks.fanout.patterns.PATTERNS`) with
     ``world`` simulated ranks, each with its own store, and measure it.
 
     Exactly one of ``etcd_endpoint`` (``"host:port"``, with ``metrics_url`` its
-    ``http://host:port`` metrics base, e.g. ``LocalEtcd.metrics_url``) or ``tcp_endpoint``
-    (a ``TCPStore`` server) is given. Returns a :class:`PatternResult` whose ``counts`` are
+    ``http://host:port`` metrics base, e.g. ``LocalEtcd.metrics_url``), ``tcp_endpoint``
+    (a ``TCPStore`` server) or ``in_process`` is given. ``in_process``: the ranks share one
+    ``HashStore`` of this process (they must be its threads: ``processes=0``), the floor
+    that no store over a network can go below: the harness's and torch's own CPU. Returns a :class:`PatternResult` whose ``counts`` are
     etcd's traffic of the pattern (``None`` for TCPStore); ``counts.per_rank(world)`` gives
     the per-rank figures. Raises ``ValueError`` for an unknown pattern or bad arguments,
     ``RuntimeError``/``TimeoutError`` if a worker fails to start or answer,
@@ -184,8 +186,11 @@ def run_pattern(pattern: str, world: int, etcd_endpoint: str | None = None,
     """
     if pattern not in PATTERNS:
         raise ValueError(f"unknown pattern {pattern!r}; known: {sorted(PATTERNS)}")
-    if (etcd_endpoint is None) == (tcp_endpoint is None):
-        raise ValueError("give exactly one of etcd_endpoint and tcp_endpoint")
+    if (etcd_endpoint is not None) + (tcp_endpoint is not None) + in_process != 1:
+        raise ValueError("give exactly one of etcd_endpoint, tcp_endpoint and in_process")
+    if in_process and processes != 0:
+        raise ValueError("in_process needs the ranks as threads of this process: "
+                         f"processes=0, not {processes}")
     if etcd_endpoint is not None and metrics_url is None:
         raise ValueError("etcd_endpoint needs metrics_url (etcd's /metrics base URL)")
     if world < 1:
@@ -193,9 +198,9 @@ def run_pattern(pattern: str, world: int, etcd_endpoint: str | None = None,
     reason = PATTERNS[pattern].unsupported(world)
     if reason is not None:
         raise PatternUnsupportedError(f"{pattern} at W={world}: {reason}")
-    endpoint = etcd_endpoint or tcp_endpoint or ""
+    endpoint = etcd_endpoint or tcp_endpoint or ":0"
     host, _, port = endpoint.rpartition(":")
-    kind = "etcd" if etcd_endpoint is not None else "tcp"
+    kind = "etcd" if etcd_endpoint is not None else "tcp" if tcp_endpoint else "hash"
     job = prefix or f"/fanout/{uuid.uuid4().hex[:8]}/{pattern}/"
     backend = {"kind": kind, "host": host, "port": int(port), "prefix": job}
     nproc = default_processes(world) if processes is None else processes

@@ -1,7 +1,9 @@
 """A block of simulated ranks in one process: :class:`RankGroup`, and :func:`serve`.
 
 Each rank has its own store (a ``cachedstore.torch.TorchEtcdStore``, i.e. its own
-``EtcdStore`` with its own connection and watch, or a ``TCPStore`` client) and runs pattern
+``EtcdStore`` with its own connection and watch, a ``TCPStore`` client, or a view of one
+``HashStore`` that the process's ranks share: the *floor*, what the harness and torch's
+Python cost with a store that costs next to nothing) and runs pattern
 steps on a thread of its own (``fanout-rank_N``, from a pool that lives as long as the group).
 
 Blocking and bounds: :meth:`RankGroup.run_step` blocks until every rank finished the step or
@@ -153,6 +155,21 @@ class _Probe:
                 totals["ranks"] += 1
 
 
+_hash_stores: dict[str, Any] = {}
+_hash_lock = threading.Lock()
+
+
+def _hash_store(prefix: str) -> Any:
+    """The process's one ``HashStore`` for a job (``prefix``): threads of one process are
+    the only ranks that can share it."""
+    import torch.distributed as dist
+
+    with _hash_lock:
+        if prefix not in _hash_stores:
+            _hash_stores[prefix] = dist.HashStore()
+        return _hash_stores[prefix]
+
+
 def _make_store(backend: dict[str, Any], timeout: timedelta, options: dict[str, Any]) -> Any:
     import torch.distributed as dist
 
@@ -165,13 +182,18 @@ def _make_store(backend: dict[str, Any], timeout: timedelta, options: dict[str, 
         client = dist.TCPStore(backend["host"], backend["port"], is_master=False,
                                wait_for_workers=False, timeout=timeout, use_libuv=True)
         return dist.PrefixStore(backend["prefix"], client)
+    if backend["kind"] == "hash":
+        shared = _hash_store(backend["prefix"])
+        shared.set_timeout(timeout)
+        return dist.PrefixStore(backend["prefix"], shared)
     raise ValueError(f"unknown backend {backend['kind']!r}")
 
 
 class RankGroup:
     """Ranks ``ranks`` of a ``world``-rank job, running pattern ``pattern`` on ``backend``.
 
-    ``backend``: ``{"kind": "etcd"|"tcp", "host", "port", "prefix"}``. ``budget``: seconds,
+    ``backend``: ``{"kind": "etcd"|"tcp"|"hash", "host", "port", "prefix"}`` (``"hash"``
+    ignores host and port). ``budget``: seconds,
     the store timeout of every blocking call.
     """
 
@@ -316,7 +338,8 @@ class RankGroup:
         return acc
 
     def abort(self) -> None:
-        """Close every store now: calls blocked in them raise; the group is unusable."""
+        """Close every store now: calls blocked in them raise (a ``HashStore`` has no
+        close: its waits end at the store timeout); the group is unusable."""
         self.aborted = True
         for inner in self._inner:
             with contextlib.suppress(Exception):
@@ -327,6 +350,9 @@ class RankGroup:
     def close(self) -> None:
         """Close the stores and stop the rank threads (idempotent)."""
         self.abort()
+        if self.backend["kind"] == "hash":
+            with _hash_lock:
+                _hash_stores.pop(self.backend["prefix"], None)
         self._inner.clear()
         self._ctx.clear()
         if self._pool is not None:
