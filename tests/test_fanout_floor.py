@@ -55,19 +55,15 @@ def test_one_backend_at_a_time() -> None:
 
 
 def test_the_table_shows_the_floor_and_the_least_reachable_ratio() -> None:
-    def run(cpu: float, side: str | None = None) -> dict[str, object]:
-        r: dict[str, object] = {"pattern": "p", "ok": True, "cpu": cpu, "rank": cpu,
-                                "watch": 0.0, "other": 0.0}
-        if side:
-            r["side"] = side
-        return r
+    def run(cpu: float) -> dict[str, object]:
+        return {"pattern": "p", "ok": True, "cpu": cpu, "rank": cpu, "watch": 0.0,
+                "other": 0.0}
 
-    before = [run(4e-3)]  # an old tree's child writes no "side"
-    now = [run(2e-3, "store"), run(1e-3, "floor"), run(3e-3, "floor")]
-    text = table(before, now, "abc", ["p"])
+    before, now, floor = [run(4e-3)], [run(2e-3)], [run(1e-3), run(3e-3), run(2e-3)]
+    text = table(before, now, "abc", ["p"], floor)
     header, rule, row = text.splitlines()
     assert header.endswith("| floor: CPU / rank | floor / abc |")
     assert rule.count("|---") == header.count(" | ") + 1
     assert row == ("| p | 4,000 µs | 4,000 / 0 / 0 | 2,000 µs | 2,000 / 0 / 0 | 0.50 |"
                    " 2,000 µs | 0.50 |")
-    assert "floor" not in table(before, now[:1], "abc", ["p"])
+    assert "floor" not in table(before, now, "abc", ["p"])

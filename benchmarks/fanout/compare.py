@@ -16,8 +16,8 @@ the rest: other Python threads and threads Python did not start, i.e. gRPC's cor
 the ratio. The fan-out suite itself measures each pattern once per W; these repetitions
 are what a ratio between two revisions needs on a noisy 2-core machine.
 
-``--floor`` (threads only) also runs each pattern, in this tree's child, on one
-``HashStore`` the ranks share (``run_pattern(in_process=True)``): what the harness and
+``--floor`` (threads only) also runs each pattern, in a third child (this tree, in the
+same rounds, no etcd), on one ``HashStore`` the ranks share (``run_pattern(in_process=True)``): what the harness and
 torch's own Python cost a rank with a store that costs next to nothing. No store over a
 network goes below it, so ``floor / REV`` is the least ratio any change could reach.
 
@@ -28,6 +28,7 @@ Bounds: every child has ``--budget`` seconds per run of a pattern and is killed 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -45,27 +46,24 @@ KINDS = ("rank", "watch", "other")
 
 def _child(world: int, reps: int, patterns: list[str], budget: float,
            processes: int, floor: bool) -> None:
-    """In a child process: one etcd, each pattern ``reps`` times; a JSON line per run (and
-    with ``floor`` one per run on the shared ``HashStore``, ``"side": "floor"``)."""
+    """In a child process: one etcd (none with ``floor``: the ranks share one
+    ``HashStore``), each pattern ``reps`` times; a JSON line per run."""
     import logging
 
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     from benchmarks.fanout.simulator import run_pattern
     from cachedstore.server import LocalEtcd
 
-    with LocalEtcd() as etcd:
-        endpoint = etcd.endpoint.split("://")[-1]
+    with contextlib.nullcontext() if floor else LocalEtcd() as etcd:
         for pattern in patterns:
-            for rep in range(reps * (2 if floor else 1)):
-                on_floor = floor and rep % 2 == 1  # alternated with the etcd runs
-                if on_floor:
+            for _ in range(reps):
+                if etcd is None:
                     r = run_pattern(pattern, world, in_process=True, processes=0, budget=budget)
                 else:
-                    r = run_pattern(pattern, world, endpoint, etcd.metrics_url,
-                                    processes=processes, budget=budget)
+                    r = run_pattern(pattern, world, etcd.endpoint.split("://")[-1],
+                                    etcd.metrics_url, processes=processes, budget=budget)
                 by = r.cpu_by_thread
                 print(json.dumps({
-                    "side": "floor" if on_floor else "store",
                     "pattern": pattern, "ok": r.finished and not r.errors,
                     "cpu": r.client_cpu_s / world,
                     "rank": by.get("rank", 0.0) / world, "watch": by.get("watch", 0.0) / world,
@@ -73,12 +71,13 @@ def _child(world: int, reps: int, patterns: list[str], budget: float,
                     flush=True)
 
 
-def _run_side(tree: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+def _run_side(tree: str, args: argparse.Namespace, floor: bool = False
+              ) -> list[dict[str, Any]]:
     env = {**os.environ, "PYTHONPATH": tree}
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--ws", str(args.ws),
            "--reps", str(args.reps), "--patterns", ",".join(args.patterns),
            "--budget", str(args.budget), "--processes", str(args.processes)]
-    if args.floor and tree == ROOT:
+    if floor:
         cmd.append("--floor")
     out = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True,
                          timeout=args.child_timeout, check=False)
@@ -88,18 +87,15 @@ def _run_side(tree: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     return runs
 
 
-def _median(runs: list[dict[str, Any]], pattern: str, key: str, side: str = "store"
-            ) -> float:
-    values = [r[key] for r in runs
-              if r["pattern"] == pattern and r["ok"] and r.get("side", "store") == side]
+def _median(runs: list[dict[str, Any]], pattern: str, key: str) -> float:
+    values = [r[key] for r in runs if r["pattern"] == pattern and r["ok"]]
     return statistics.median(values) * 1e6 if values else float("nan")
 
 
 def table(before: list[dict[str, Any]], now: list[dict[str, Any]], against: str,
-          patterns: list[str]) -> str:
-    """The markdown table of medians (µs) and ratios; with floor runs among ``now``, two
-    more columns: the floor's CPU per rank and ``floor / against``."""
-    floor = any(r.get("side") == "floor" for r in now)
+          patterns: list[str], floor: list[dict[str, Any]] | None = None) -> str:
+    """The markdown table of medians (µs) and ratios; with ``floor`` runs, two more
+    columns: the floor's CPU per rank and ``floor / against``."""
     head = f"| pattern | {against}: CPU / rank | rank / watch / other | now: CPU / rank | " \
         f"rank / watch / other | now / {against} |"
     if floor:
@@ -111,7 +107,7 @@ def table(before: list[dict[str, Any]], now: list[dict[str, Any]], against: str,
                  for side in (before, now)]
         line = f"| {p} | {b:,.0f} µs | {parts[0]} | {n:,.0f} µs | {parts[1]} | {n / b:.2f} |"
         if floor:
-            f = _median(now, p, "cpu", "floor")
+            f = _median(floor, p, "cpu")
             line += f" {f:,.0f} µs | {f / b:.2f} |"
         lines.append(line)
     return "\n".join(lines)
@@ -146,11 +142,15 @@ def main() -> None:
         try:
             before: list[dict[str, Any]] = []
             now: list[dict[str, Any]] = []
+            floor: list[dict[str, Any]] = []
             for round_ in range(args.rounds):
-                sides = [(tree, before), (ROOT, now)]
-                for where, runs in sides if round_ % 2 == 0 else sides[::-1]:
-                    runs += _run_side(where, args)
-                    print(f"[compare] round {round_ + 1}: {where} done", file=sys.stderr)
+                sides = [(tree, before, False), (ROOT, now, False)]
+                if args.floor:
+                    sides.append((ROOT, floor, True))
+                for where, runs, on_floor in sides if round_ % 2 == 0 else sides[::-1]:
+                    runs += _run_side(where, args, on_floor)
+                    print(f"[compare] round {round_ + 1}: {where}{' (floor)' * on_floor} "
+                          "done", file=sys.stderr)
         finally:
             subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", tree],
                            check=False)
@@ -158,7 +158,7 @@ def main() -> None:
         else f"{args.processes} processes"
     print(f"W = {args.ws}, ranks as {placement}; {args.rounds} rounds of {args.reps} runs "
           f"per pattern and side; medians\n")
-    print(table(before, now, args.against, args.patterns))
+    print(table(before, now, args.against, args.patterns, floor))
 
 
 if __name__ == "__main__":
