@@ -17,6 +17,8 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from faults.proxy import FaultProxy
+from torch.distributed import DistStoreError
 from util import raw_client
 
 from cachedstore import EtcdStore
@@ -106,3 +108,51 @@ def test_torch_blocking_reads_give_their_looks_the_store_timeout(etcd, prefix):
         looks = _reads_of(seen)
         assert looks and min(looks) > LONG, seen
     client.close()
+
+
+def test_torch_get_gives_its_first_look_the_store_timeout(etcd, prefix):
+    """torch's ``get`` of a key another client wrote (not cached): its first look reads
+    etcd, and that round trip gets the request timeout (the store timeout, 30 s, is
+    longer), not 250 ms. A key the cache holds is answered without a request."""
+    client = raw_client(etcd)
+    client.put(f"{prefix}nccl-id", b"id")
+    with TorchEtcdStore(endpoints=[etcd.endpoint], prefix=prefix,
+                        timeout=timedelta(seconds=30)) as store:
+        seen = _record_deadlines(store._etcd)
+        assert store.get("nccl-id") == b"id"
+        looks = _reads_of(seen)
+        assert looks and min(looks) > LONG, seen
+        seen.clear()
+        assert store.get("nccl-id") == b"id"
+        assert not seen
+    client.close()
+
+
+def test_torch_get_under_a_silent_etcd_ends_at_its_store_timeout(etcd, prefix):
+    """The first look's time counts against the ``get``: with every byte held (a link
+    that neither answers nor fails), the look may take the whole store timeout (1 s), and
+    the wait that follows gets only what is left of it, not a fresh second. Read off the
+    requests' deadlines, as the connection receives them."""
+    with FaultProxy(etcd.endpoint) as proxy, \
+            TorchEtcdStore(endpoints=[proxy.endpoint], prefix=prefix,
+                           timeout=timedelta(seconds=1)) as store:
+        store.set("warm", "1")  # a pooled connection: the look is sent, and held
+        clock = store._etcd._reads._clock
+        conn = store._etcd._reads._conn
+        deadlines: list[float] = []
+        call = conn.call
+
+        def recording(method: str, request: Any, *, deadline: float, **kwargs: Any) -> Any:
+            deadlines.append(deadline)
+            return call(method, request, deadline=deadline, **kwargs)
+
+        conn.call = recording
+        proxy.stall()
+        started = clock.monotonic()
+        with pytest.raises(DistStoreError, match="wait timeout"):
+            store.get("never-written")
+        proxy.heal()
+    assert deadlines, "the first look sent nothing"
+    assert deadlines[0] > started + 0.9  # the look had the store timeout, not 250 ms
+    assert max(deadlines) <= started + 1.0 + MIN_ROUND_TRIP + 0.05, \
+        [d - started for d in deadlines]
