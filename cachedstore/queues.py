@@ -127,7 +127,9 @@ class Queues:
     scope in a store watching what it touched), ``timeout`` (the default wait of a
     blocking pop), ``check_open`` (raises once the store is closed), ``serving_live`` (True
     while the watch is up and the cache served), ``call_deadline`` (a round trip's deadline
-    within a wait's, ``ReadThrough.call_deadline``), ``wait_until`` (the store's one wait
+    within a wait's, ``ReadThrough.call_deadline``), ``look_deadline`` (a read's that has
+    no wait of its own: ``ReadThrough.look_deadline``, which keeps the reads a wait's
+    ``ready()`` makes within the wait), ``wait_until`` (the store's one wait
     for changes, ``ReadThrough.wait_until``), ``clock`` (times the waits).
 
     Longer than this project's classes usually are: everything that knows the layout of the
@@ -139,6 +141,7 @@ class Queues:
                  opener: ScopeOpener, timeout: float, check_open: Callable[[], None],
                  serving_live: Callable[[], bool],
                  call_deadline: Callable[[float | None], float],
+                 look_deadline: Callable[[], float],
                  wait_until: Callable[..., None], clock: Clock = SYSTEM_CLOCK) -> None:
         self._conn = conn
         self._keys = keys
@@ -148,6 +151,7 @@ class Queues:
         self._check_open = check_open
         self._serving_live = serving_live
         self._call_deadline = call_deadline
+        self._look_deadline = look_deadline
         self._wait_until = wait_until
         self._clock = clock
         self._gates: dict[str, _Gate] = {}
@@ -199,19 +203,21 @@ class Queues:
         """Pop the oldest item of ``[start, end)``: (its value or None if the queue is
         empty, the next item as a guess for the following pop, or None)."""
         conn = self._conn
-        deadline = conn.deadline()
         if guess is None:
-            kvs = conn.call("range", _oldest(start, end), deadline=deadline).kvs
+            kvs = conn.call("range", _oldest(start, end), deadline=self._look_deadline()).kvs
             if not kvs:
                 return None, None
             guess = kvs[0]
+        # The delete is a write: the request timeout (one for the whole race), never cut
+        # short by a wait's end, past which its outcome could only be unknown.
+        write_deadline = conn.deadline()
         while True:
             request = etcdapi.txn(
                 [etcdapi.unmodified(guess.key, guess.mod_revision)],
                 [etcdapi.op_delete(etcdapi.delete(guess.key)),
                  etcdapi.op_range(_oldest(start, end))],
                 [etcdapi.op_range(_oldest(start, end))])
-            response = conn.call("txn", request, deadline=deadline, retry=UNSENT_ONLY)
+            response = conn.call("txn", request, deadline=write_deadline, retry=UNSENT_ONLY)
             if response.succeeded:
                 name = self._keys.name_of(guess.key)
                 if name is not None:
@@ -318,7 +324,7 @@ class Queues:
         a key and a queue. Returns what :meth:`is_nonempty` takes as ``opened``. Blocks for
         one round trip at most; raises cachedstore errors when etcd cannot be read."""
         canonical = [self._keys.canonical(name) for name in names]
-        return self._opener.ensure_directory(RESERVED, self._conn.deadline, canonical)
+        return self._opener.ensure_directory(RESERVED, self._look_deadline, canonical)
 
     def is_nonempty(self, name: str | bytes,
                     opened: tuple[Scope, int, int] | None = None) -> bool:
@@ -341,7 +347,7 @@ class Queues:
             return False
         # A store watching what it touched watches the queues' directory from now on.
         if opened is None:
-            opened = self._opener.ensure_directory(RESERVED, self._conn.deadline)
+            opened = self._opener.ensure_directory(RESERVED, self._look_deadline)
         fresh = {RESERVED: ThreadWaiter(), prefix: ThreadWaiter()}
         for p, waiter in fresh.items():  # before the count: no put slips by unseen
             self._cache.add_prefix_waiter(p, waiter, blocking=False)  # knowledge, not a wait
@@ -368,7 +374,7 @@ class Queues:
         ranges = [etcdapi.op_range(etcdapi.range_prefix(s, e, count_only=True))
                   for s, e in (self._prefix_range(RESERVED), self._prefix_range(prefix))]
         response = self._conn.call("txn", etcdapi.txn(success=ranges),
-                                   deadline=self._conn.deadline())
+                                   deadline=self._look_deadline())
         return {RESERVED: int(response.responses[0].response_range.count),
                 prefix: int(response.responses[1].response_range.count)}
 

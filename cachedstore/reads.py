@@ -163,6 +163,19 @@ class ReadThrough:
             floor = operation[1]
         return min(own, max(deadline, floor))
 
+    def look_deadline(self) -> float:
+        """The deadline of a read that does not wait and has no deadline of its own (a
+        queue's count, a directory's opening read): ``request_timeout``, but inside an
+        operation of this store (:meth:`within`) no later than the operation's end (nor
+        sooner than :data:`MIN_ROUND_TRIP` from now), so that a wait's ``ready()`` making
+        such reads one after another does not outlast the wait by a request timeout each."""
+        now = self._clock.monotonic()
+        own = now + self._config.request_timeout
+        operation = _OPERATION.get()
+        if operation is None or operation[0] is not self:
+            return own
+        return min(own, max(operation[1], now + MIN_ROUND_TRIP))
+
     @contextmanager
     def within(self, seconds: float) -> Iterator[None]:
         """The reads of this store made inside, on this thread (a context variable), belong
@@ -425,9 +438,12 @@ class ReadThrough:
             return min(remaining, UNWATCHED_RECHECK)
         return min(remaining, MAX_WAIT)
 
-    def wait_steps(self, name: str, deadline: float, timeout: Timeout) -> Steps[bytes]:
+    def wait_steps(self, name: str, deadline: float, timeout: Timeout,
+                   outage: EtcdConnectionError | None = None) -> Steps[bytes]:
         """Block until ``name`` exists (woken by the watch) and return its value; raise
-        StoreTimeoutError at ``deadline``, also when etcd is unreachable until then."""
+        StoreTimeoutError at ``deadline``, also when etcd is unreachable until then
+        (``outage``: the caller's read of it just failed so; past the deadline, it is not
+        read again)."""
         cache = self._cache
         # Registered before the first look: a change between a look and the pause wakes
         # it. A look whose deadline has passed already (a zero timeout: torch's
@@ -435,7 +451,6 @@ class ReadThrough:
         waiter = (yield NEW_WAITER) if self._clock.monotonic() < deadline else None
         if waiter is not None:
             cache.add_waiter(name, waiter)
-        outage: EtcdConnectionError | None = None
         try:
             while True:
                 self._check_open()
@@ -461,11 +476,11 @@ class ReadThrough:
             if waiter is not None:
                 cache.remove_waiter(name, waiter)
 
-    def _waited(self, name: str, deadline: float, timeout: Timeout, default: Any
-                ) -> Steps[bytes | None]:
+    def _waited(self, name: str, deadline: float, timeout: Timeout, default: Any,
+                outage: EtcdConnectionError | None = None) -> Steps[bytes | None]:
         """:meth:`wait_steps`, with a timeout answered by ``default`` when there is one."""
         try:
-            return (yield from self.wait_steps(name, deadline, timeout))
+            return (yield from self.wait_steps(name, deadline, timeout, outage))
         except StoreTimeoutError:
             if default is MISSING:
                 raise
@@ -569,8 +584,17 @@ class ReadThrough:
         deadline = self.deadline(wait)
         # In the order given (not a set's, which follows str hashes): the same call makes
         # the same requests in every process (the simulation replays exactly).
-        values, served = yield Call(self.resolve, (dict.fromkeys(canonical.values()),
-                                                   wait is not None, deadline, consistent))
+        outage: EtcdConnectionError | None = None
+        try:
+            values, served = yield Call(self.resolve, (dict.fromkeys(canonical.values()),
+                                                       wait is not None, deadline, consistent))
+        except EtcdConnectionError as exc:
+            if deadline is None or consistent:
+                raise
+            # A blocking read in an outage waits for every name (wait_steps looks at the
+            # cache first, retries etcd while time is left, and at the deadline raises
+            # StoreTimeoutError with the outage as its cause), as a blocking get does.
+            values, served, outage = {}, set(), exc
         # Per position, as the hot path counts: a name given twice is two hits or misses.
         hits = sum(1 for i in pending if canonical[i] in served)
         self._metrics.hit[op].inc(len(names) - len(pending) + hits)
@@ -578,7 +602,8 @@ class ReadThrough:
         for i in pending:  # in order: the first absent name times out
             name = canonical[i]
             if values.get(name) is None and deadline is not None:
-                values[name] = yield from self._waited(name, deadline, timeout, default)
+                values[name] = yield from self._waited(name, deadline, timeout, default,
+                                                       outage)
         # A wait needs existence only: a counter's value is not read. A counter deleted
         # between the wait and the read of its value is waited for again (as by ``get``).
         while op != "wait" and any(counters.is_mark(v) for v in values.values()):

@@ -21,7 +21,8 @@ from faults.proxy import FaultProxy
 from torch.distributed import DistStoreError
 from util import raw_client
 
-from cachedstore import EtcdStore
+from cachedstore import EtcdStore, StoreTimeoutError
+from cachedstore.clock import FakeClock
 from cachedstore.reads import MIN_ROUND_TRIP
 from cachedstore.torch import TorchEtcdStore
 
@@ -156,3 +157,66 @@ def test_torch_get_under_a_silent_etcd_ends_at_its_store_timeout(etcd, prefix):
     assert deadlines[0] > started + 0.9  # the look had the store timeout, not 250 ms
     assert max(deadlines) <= started + 1.0 + MIN_ROUND_TRIP + 0.05, \
         [d - started for d in deadlines]
+
+
+def test_torch_wait_counts_its_first_reads_against_its_timeout(etcd, prefix):
+    """torch's ``wait`` reads before it waits (the keys' and queues' scopes, a look): that
+    time is the wait's too. Here the reads take 4 of the wait's 5 s (a fake clock moved
+    while they run); the watch wait that follows is given the 1 s left, not 5 s again."""
+    clock = FakeClock()
+    with TorchEtcdStore(endpoints=[etcd.endpoint], prefix=prefix,
+                        timeout=timedelta(seconds=30), clock=clock) as store:
+        etcd_store = store._etcd
+        queues, open_directory = etcd_store.queues, etcd_store.queues.open_directory
+        given: list[float] = []
+
+        def slow_open(*args: Any, **kwargs: Any) -> Any:
+            clock.advance(4.0)  # etcd took 4 s to answer
+            return open_directory(*args, **kwargs)
+
+        def recording_wait_until(ready: Any, *, timeout: float, **kwargs: Any) -> None:
+            given.append(timeout)
+            raise StoreTimeoutError("recorded")
+
+        queues.open_directory = slow_open
+        etcd_store.wait_until = recording_wait_until
+        with pytest.raises(DistStoreError, match="wait timeout"):
+            store.wait(["absent"], timedelta(seconds=5))
+    assert given == [pytest.approx(1.0)]
+
+
+def test_torch_check_of_several_keys_gives_each_look_the_request_timeout(etcd, prefix,
+                                                                         monkeypatch):
+    """torch's ``check`` of several keys, one absent, looks at each key again (a key or a
+    non-empty queue): those looks read etcd as ``check``'s own read does, with the request
+    timeout, not a bare look's 250 ms. The cache is made unable to answer them (as while
+    its watch is down), so that every look reads etcd."""
+    client = raw_client(etcd)
+    client.put(f"{prefix}present", b"1")
+    with TorchEtcdStore(endpoints=[etcd.endpoint], prefix=prefix,
+                        timeout=timedelta(seconds=30)) as store:
+        monkeypatch.setattr(store._etcd._cache, "lookup_or_absent", lambda name: None)
+        seen = _record_deadlines(store._etcd)
+        assert store.check(["present", "absent"]) is False
+        looks = _reads_of(seen)
+        assert len(looks) >= 3 and min(looks) > LONG, seen
+    client.close()
+
+
+@pytest.mark.parametrize("options", [{"watch_scope": "touched"}, {"watch_scope": "prefix"}])
+def test_queue_reads_inside_a_wait_end_with_the_wait(etcd, prefix, options):
+    """The reads a wait's ``ready()`` makes through the queues (the directory's opening
+    read, a count) end with the wait (or 250 ms from when they start, whichever is later),
+    not a request timeout later; outside a wait they keep the request timeout."""
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, **options) as store:
+        seen = _record_deadlines(store)
+        assert not store.queues.is_nonempty("outside")
+        outside = _reads_of(seen)
+        assert outside and min(outside) > LONG, seen
+    # (A store that found every queue empty answers from then on without a read: another.)
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, **options) as store:
+        seen = _record_deadlines(store)
+        with pytest.raises(StoreTimeoutError):
+            store.wait_until(lambda: store.queues.is_nonempty("inside"), timeout=1.0)
+        inside = _reads_of(seen)
+        assert inside and max(inside) <= 1.0, seen

@@ -169,6 +169,17 @@ def test_timeouts_raise_dist_store_error(tstore):
         p.wait(["never"], timedelta(milliseconds=100))
 
 
+def test_get_takes_bytes_names_and_rejects_others_with_torchs_error(tstore):
+    """Called from Python, ``get`` may be given bytes (also unhashable ``bytearray``): read
+    as the str key they encode, cached or not; a name of another type raises torch's
+    ``DistStoreError`` (the store's InvalidTypeError), never a bare TypeError."""
+    tstore.set("k", "v")
+    for name in (b"k", bytearray(b"k"), bytearray(b"k")):  # the second bytearray: cached
+        assert tstore.get(name) == b"v"  # type: ignore[arg-type]
+    with pytest.raises(dist.DistStoreError, match="key name must be str or bytes"):
+        tstore.get(["k"])  # type: ignore[arg-type]
+
+
 def test_unreachable_etcd_raises_dist_network_error(prefix):
     with pytest.raises(dist.DistNetworkError):
         TorchEtcdStore(endpoints=[f"127.0.0.1:{free_port()}"], prefix=prefix,
@@ -378,6 +389,27 @@ def test_a_wait_in_an_outage_ends_at_its_deadline_without_another_etcd_read(
         assert rpc_count(registry, "range") + rpc_count(registry, "txn") == reads
     finally:
         store.close()
+
+
+def test_check_raises_a_network_error_when_etcd_cannot_be_asked(tstore, monkeypatch):
+    """A ``check`` whose look at one key cannot reach etcd raises torch's network error:
+    the key's existence is unknown, not false, even where the queues' remembered
+    emptiness would answer the rest without etcd. (Staged: the keys' own read answered
+    "not all present" just before reads started failing; the watch stays healthy.)"""
+    from cachedstore import EtcdConnectionError
+
+    tstore.set("present", "1")
+    assert not tstore.check(["present", "absent"])  # scopes open, the queues known empty
+    etcd_store = tstore._etcd
+
+    def unreachable(*args, **kwargs):
+        raise EtcdConnectionError("etcd range: etcd unreachable (staged)")
+
+    monkeypatch.setattr(etcd_store, "check", lambda names: False)
+    monkeypatch.setattr(etcd_store._cache, "lookup_or_absent", lambda name: None)
+    monkeypatch.setattr(etcd_store._reads, "fetch", unreachable)
+    with pytest.raises(dist.DistNetworkError, match="staged"):
+        tstore.check(["present", "absent"])
 
 
 def test_a_wait_begun_during_an_outage_succeeds_once_etcd_is_back(etcd_factory, prefix):

@@ -341,8 +341,14 @@ class TorchEtcdStore(dist.Store):
         etcd = self._etcd
         start = None
         try:
-            if name in etcd._entries:  # noqa: SLF001 -- cached: the hot path, no deadline
-                # timeout=0: a complete cache answers "absent" without asking etcd.
+            cached = name in etcd._entries  # noqa: SLF001
+        except TypeError:  # unhashable: the look below says why (or reads it)
+            cached = False
+        try:
+            if cached:  # the hot path, no deadline arithmetic
+                # timeout=0: a complete cache answers "absent" without asking etcd. (An
+                # entry the cache holds but cannot serve now -- its watch is down or
+                # resyncing -- is looked at as a bare read: 250 ms.)
                 value = etcd.get(name, None, timeout=0)
                 if value is not None:
                     return value
@@ -351,6 +357,8 @@ class TorchEtcdStore(dist.Store):
                 value = self._first_look(name)
                 if value is not None:
                     return value
+        except TLSError as exc:  # a configuration error: waiting will not fix it
+            raise _translate(exc, f"keys: [{key!r}]") from exc
         except EtcdConnectionError:
             pass  # the blocking path below retries until the deadline
         except CachedStoreError as exc:
@@ -465,10 +473,13 @@ class TorchEtcdStore(dist.Store):
             raise _translate(exc, f"compare_set {key!r}") from exc
 
     def _has_key(self, name: str | bytes) -> bool:
-        """True if the key exists (a complete cache answers "absent" without etcd)."""
+        """True if the key exists (a complete cache answers "absent" without etcd).
+        EtcdConnectionError if etcd could not be asked: unknown, not absent."""
         try:
             self._etcd.wait([name], timeout=0)
-        except StoreTimeoutError:
+        except StoreTimeoutError as exc:
+            if isinstance(exc.__cause__, EtcdConnectionError):
+                raise exc.__cause__ from None
             return False
         return True
 
@@ -488,7 +499,10 @@ class TorchEtcdStore(dist.Store):
                 return True
             if len(names) == 1:  # the key is absent: only its queue can make it exist
                 return self._etcd.queues.is_nonempty(names[0], opened)
-            return all(self._present(n, opened) for n in names)
+            # Each name's look reads etcd as check's own read did (request_timeout), not
+            # as a bare look that does not wait (250 ms).
+            with self._etcd._reads.within(self._etcd.config.request_timeout):  # noqa: SLF001
+                return all(self._present(n, opened) for n in names)
         except CachedStoreError as exc:
             raise _translate(exc, f"check {list(keys)!r}") from exc
 
@@ -501,8 +515,10 @@ class TorchEtcdStore(dist.Store):
 
     def _wait_present(self, names: list[str | bytes], wait: float) -> None:
         """Block until every name exists (as a key or as a non-empty queue), woken by the
-        watch; StoreTimeoutError after ``wait`` seconds, raised at the deadline without
-        reading etcd again."""
+        watch; StoreTimeoutError after ``wait`` seconds (the reads before the wait count
+        against them), raised at the deadline without reading etcd again."""
+        clock = self._clock
+        deadline = clock.monotonic() + wait
         # Watching what it touched: the keys' scopes and the queues' in one read.
         opened = self._etcd.queues.open_directory(names)
         try:
@@ -517,9 +533,9 @@ class TorchEtcdStore(dist.Store):
             missing = [n for n in missing if not self._present(n, opened)]
             return not missing
 
-        # ``wait`` is below 0 when the deadline passed during the look above: a timeout.
+        # 0 when the deadline passed during the reads above: a timeout.
         self._etcd.wait_until(present, names=missing, queues=missing,
-                              timeout=max(0.0, wait), clock=self._clock)
+                              timeout=max(0.0, deadline - clock.monotonic()), clock=clock)
 
     def getNumKeys(self) -> int:  # noqa: N802 -- the name torch's C++ calls
         """How many keys exist under the store's prefix, queue items not counted (like

@@ -17,7 +17,7 @@ from typing import Any
 import etcd3
 import pytest
 
-from cachedstore import EtcdConnectionError, EtcdStore, StoreConfig
+from cachedstore import EtcdConnectionError, EtcdStore, StoreConfig, StoreTimeoutError
 from cachedstore.server import LocalEtcd
 
 from . import follows_by_watch, restarts, sample, split, wait_until
@@ -248,3 +248,26 @@ def test_max_staleness_serves_cached_values_for_a_bounded_time(
         wait_until(lambda: lenient.watch_healthy, 15, "the watch to come back")
         assert lenient.get("k") == b"cached"
         assert sample(lenient, "cachedstore_stale_reads_total") == len(served)
+
+
+@pytest.mark.parametrize("scope", ["touched", "prefix"])
+def test_blocking_reads_that_meet_an_outage_end_as_timeouts(
+        server: LocalEtcd, proxy: FaultProxy, prefix: str, scope: str) -> None:
+    """``get``, ``mget`` and ``wait`` with a timeout, of keys the cache cannot answer,
+    while every connection to etcd is refused: each raises StoreTimeoutError (a
+    TimeoutError) once its timeout passes, its ``__cause__`` the EtcdConnectionError, as
+    the docstrings promise; not the EtcdConnectionError of their first read (``mget`` and
+    ``wait`` raised that at once, before they waited)."""
+    with _store(proxy.endpoint, prefix, watch_scope=scope) as store:
+        store.set("present", "1")
+        proxy.reset(refuse=True)
+        calls: dict[str, Callable[[], object]] = {
+            "get": lambda: store.get("k", timeout=0.5),
+            "mget": lambda: store.mget(["present", "k"], timeout=0.5),
+            "wait": lambda: store.wait(["k", "present"], timeout=0.5),
+        }
+        for name, call in calls.items():
+            with pytest.raises(StoreTimeoutError) as caught:
+                call()
+            assert isinstance(caught.value.__cause__, EtcdConnectionError), name
+        proxy.heal()
