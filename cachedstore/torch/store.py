@@ -377,7 +377,7 @@ class TorchEtcdStore(dist.Store):
         the store timeout (up to ``request_timeout``), not a bare look's 250 ms. Under a
         slow etcd a 250 ms look failed, and the read was sent again on a new connection
         while etcd still served the first. (Deciding which look to make costs a hit
-        ~20 ns; the operation's context ~1 µs, paid by misses only.)"""
+        ~25 ns; the operation's context ~1 µs, paid by misses only.)"""
         etcd = self._etcd
         with etcd._reads.within(self._wait_seconds()):  # noqa: SLF001
             return etcd.get(name, None, timeout=0)
