@@ -127,8 +127,8 @@ class Queues:
     scope in a store watching what it touched), ``timeout`` (the default wait of a
     blocking pop), ``check_open`` (raises once the store is closed), ``serving_live`` (True
     while the watch is up and the cache served), ``call_deadline`` (a round trip's deadline
-    within a wait's, ``ReadThrough.call_deadline``), ``look_deadline`` (a read's that has
-    no wait of its own: ``ReadThrough.look_deadline``, which keeps the reads a wait's
+    within a wait's, ``ReadThrough.call_deadline``), ``look_deadline`` (that of a count or
+    a directory's opening read: ``ReadThrough.look_deadline``, which keeps those a wait's
     ``ready()`` makes within the wait), ``wait_until`` (the store's one wait
     for changes, ``ReadThrough.wait_until``), ``clock`` (times the waits).
 
@@ -203,21 +203,21 @@ class Queues:
         """Pop the oldest item of ``[start, end)``: (its value or None if the queue is
         empty, the next item as a guess for the following pop, or None)."""
         conn = self._conn
+        # One request timeout for the whole pop, never cut short by a wait's end: a pop
+        # woken just before its deadline still takes the item it was woken for.
+        deadline = conn.deadline()
         if guess is None:
-            kvs = conn.call("range", _oldest(start, end), deadline=self._look_deadline()).kvs
+            kvs = conn.call("range", _oldest(start, end), deadline=deadline).kvs
             if not kvs:
                 return None, None
             guess = kvs[0]
-        # The delete is a write: the request timeout (one for the whole race), never cut
-        # short by a wait's end, past which its outcome could only be unknown.
-        write_deadline = conn.deadline()
         while True:
             request = etcdapi.txn(
                 [etcdapi.unmodified(guess.key, guess.mod_revision)],
                 [etcdapi.op_delete(etcdapi.delete(guess.key)),
                  etcdapi.op_range(_oldest(start, end))],
                 [etcdapi.op_range(_oldest(start, end))])
-            response = conn.call("txn", request, deadline=write_deadline, retry=UNSENT_ONLY)
+            response = conn.call("txn", request, deadline=deadline, retry=UNSENT_ONLY)
             if response.succeeded:
                 name = self._keys.name_of(guess.key)
                 if name is not None:

@@ -589,7 +589,9 @@ class ReadThrough:
             values, served = yield Call(self.resolve, (dict.fromkeys(canonical.values()),
                                                        wait is not None, deadline, consistent))
         except EtcdConnectionError as exc:
-            if deadline is None or consistent:
+            if deadline is None or consistent or not wait:
+                # Not a wait (a zero timeout is a look: its caller retries, as torch's
+                # waits do with back-off), or a consistent read: the error is the answer.
                 raise
             # A blocking read in an outage waits for every name (wait_steps looks at the
             # cache first, retries etcd while time is left, and at the deadline raises
@@ -604,6 +606,7 @@ class ReadThrough:
             if values.get(name) is None and deadline is not None:
                 values[name] = yield from self._waited(name, deadline, timeout, default,
                                                        outage)
+                outage = None  # that wait read etcd again, or gave up at the deadline
         # A wait needs existence only: a counter's value is not read. A counter deleted
         # between the wait and the read of its value is waited for again (as by ``get``).
         while op != "wait" and any(counters.is_mark(v) for v in values.values()):

@@ -155,7 +155,7 @@ def test_torch_get_under_a_silent_etcd_ends_at_its_store_timeout(etcd, prefix):
         proxy.heal()
     assert deadlines, "the first look sent nothing"
     assert deadlines[0] > started + 0.9  # the look had the store timeout, not 250 ms
-    assert max(deadlines) <= started + 1.0 + MIN_ROUND_TRIP + 0.05, \
+    assert max(deadlines) <= started + 1.0 + MIN_ROUND_TRIP + 0.2, \
         [d - started for d in deadlines]
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from faults.proxy import FaultProxy
 from util import eventually, raw_client, rpc_count
 
 from cachedstore import EtcdStore
@@ -410,6 +411,55 @@ def test_check_raises_a_network_error_when_etcd_cannot_be_asked(tstore, monkeypa
     monkeypatch.setattr(etcd_store._reads, "fetch", unreachable)
     with pytest.raises(dist.DistNetworkError, match="staged"):
         tstore.check(["present", "absent"])
+
+
+@pytest.mark.parametrize("scope", ["prefix", "touched"])
+def test_get_and_multi_get_of_a_present_key_outlast_a_short_outage(etcd, prefix, scope):
+    """``get`` and ``multi_get`` of a key that exists, begun while etcd refuses every
+    connection: once a read of theirs has failed, etcd comes back (the watch resumes), and
+    they return the value when their back-off ends -- not a timeout after waiting for a
+    watch event that a key written before never sends. Time (back-off, waits) is a fake
+    clock's, moved by the test once each call is parked on it."""
+    from cachedstore import EtcdConnectionError
+
+    clock = FakeClock()
+    with FaultProxy(etcd.endpoint) as proxy, \
+            TorchEtcdStore(endpoints=[proxy.endpoint], prefix=prefix, request_timeout=1,
+                           watch_scope=scope, timeout=timedelta(seconds=30),
+                           clock=clock) as store:
+        store.set("k", "v")
+        assert store.get("k") == b"v"  # cached, its scope open
+        conn = store._etcd._reads._conn
+        call, failed = conn.call, threading.Event()
+
+        def noting(*args, **kwargs):
+            try:
+                return call(*args, **kwargs)
+            except EtcdConnectionError:
+                if threading.current_thread().name.startswith("test-"):
+                    failed.set()
+                raise
+
+        conn.call = noting
+        for name, read in (("get", lambda: store.get("k")),
+                           ("multi_get", lambda: store.multi_get(["k"]))):
+            proxy.reset(refuse=True)
+            eventually(lambda: not store.etcd_store.watch_healthy, what="the watch down")
+            failed.clear()
+            results: dict[str, object] = {}
+            errors: dict[str, BaseException] = {}
+            t = _run(errors, name, lambda read=read, name=name, results=results:
+                     results.update({name: read()}))
+            assert failed.wait(20), f"{name}: no read failed"
+            clock.wait_for_waiters(1)  # parked: in its back-off
+            proxy.heal()
+            eventually(lambda: store.etcd_store.watch_healthy, what="the watch back")
+            clock.advance(1.5)  # past the longest back-off (1 s), far from the deadline
+            t.join(10)
+            if t.is_alive():  # parked for good: release it (its deadline) before failing
+                clock.advance(60)
+                t.join(10)
+            assert not errors and results.get(name) in (b"v", [b"v"]), (name, errors)
 
 
 def test_a_wait_begun_during_an_outage_succeeds_once_etcd_is_back(etcd_factory, prefix):

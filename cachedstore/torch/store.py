@@ -357,8 +357,6 @@ class TorchEtcdStore(dist.Store):
                 value = self._first_look(name)
                 if value is not None:
                     return value
-        except TLSError as exc:  # a configuration error: waiting will not fix it
-            raise _translate(exc, f"keys: [{key!r}]") from exc
         except EtcdConnectionError:
             pass  # the blocking path below retries until the deadline
         except CachedStoreError as exc:
@@ -477,9 +475,7 @@ class TorchEtcdStore(dist.Store):
         EtcdConnectionError if etcd could not be asked: unknown, not absent."""
         try:
             self._etcd.wait([name], timeout=0)
-        except StoreTimeoutError as exc:
-            if isinstance(exc.__cause__, EtcdConnectionError):
-                raise exc.__cause__ from None
+        except StoreTimeoutError:
             return False
         return True
 
