@@ -220,3 +220,29 @@ def test_queue_reads_inside_a_wait_end_with_the_wait(etcd, prefix, options):
             store.wait_until(lambda: store.queues.is_nonempty("inside"), timeout=1.0)
         inside = _reads_of(seen)
         assert inside and max(inside) <= 1.0, seen
+
+
+def test_a_blocking_mget_hands_its_first_reads_outage_to_the_first_wait_only(
+        etcd, prefix, monkeypatch):
+    """A blocking ``mget`` whose first read of its keys met an outage waits for each key.
+    The outage was the first wait's news: once that wait has read etcd again (here it
+    answered, late), the next key's wait reads etcd too instead of giving up at its
+    deadline as if etcd were still unreachable. Time is a fake clock's; etcd's answers
+    are staged on the store's read (the keys are not cached: ``preload_limit=0``)."""
+    from cachedstore import EtcdConnectionError
+
+    clock = FakeClock()
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, preload_limit=0,
+                   clock=clock) as store:
+        answers = iter([EtcdConnectionError("etcd range: etcd unreachable (staged)"),
+                        {"a": b"1"}, {"b": b"2"}])
+
+        def staged(names, deadline=None):
+            answer = next(answers)
+            if isinstance(answer, Exception):
+                raise answer
+            clock.advance(10.0)  # each answer comes late: past the mget's 5 s
+            return answer
+
+        monkeypatch.setattr(store._reads, "fetch", staged)
+        assert store.mget(["a", "b"], timeout=5.0) == [b"1", b"2"]
