@@ -593,10 +593,16 @@ class ReadThrough:
                 # Not a wait (a zero timeout is a look: its caller retries, as torch's
                 # waits do with back-off), or a consistent read: the error is the answer.
                 raise
-            # A blocking read in an outage waits for every name (wait_steps looks at the
-            # cache first, retries etcd while time is left, and at the deadline raises
+            # A blocking read in an outage waits for every name the cache cannot serve
+            # (wait_steps retries etcd while time is left, and at the deadline raises
             # StoreTimeoutError with the outage as its cause), as a blocking get does.
+            # What the cache serves (a stale entry max_staleness allows, too) is served.
             values, served, outage = {}, set(), exc
+            for name in dict.fromkeys(canonical.values()):
+                entry = self.cached(name, blocking=True)
+                if entry is not None:
+                    values[name] = entry[0]
+                    served.add(name)
         # Per position, as the hot path counts: a name given twice is two hits or misses.
         hits = sum(1 for i in pending if canonical[i] in served)
         self._metrics.hit[op].inc(len(names) - len(pending) + hits)
@@ -604,9 +610,17 @@ class ReadThrough:
         for i in pending:  # in order: the first absent name times out
             name = canonical[i]
             if values.get(name) is None and deadline is not None:
-                values[name] = yield from self._waited(name, deadline, timeout, default,
-                                                       outage)
-                outage = None  # that wait read etcd again, or gave up at the deadline
+                try:
+                    values[name] = yield from self.wait_steps(name, deadline, timeout, outage)
+                    outage = None  # etcd answered that wait
+                except StoreTimeoutError as exc:
+                    if default is MISSING:
+                        raise
+                    values[name] = None
+                    # Still unreachable at the deadline: the next names are not read past
+                    # it (each such read would add 250 ms); else the outage is old news.
+                    cause = exc.__cause__
+                    outage = cause if isinstance(cause, EtcdConnectionError) else None
         # A wait needs existence only: a counter's value is not read. A counter deleted
         # between the wait and the read of its value is waited for again (as by ``get``).
         while op != "wait" and any(counters.is_mark(v) for v in values.values()):

@@ -429,9 +429,12 @@ class EtcdStore:
 
         Hits come from the cache; all misses are read together, in Txns of up to
         ``max_txn_ops`` range requests (1,000 misses: 8 round trips). With ``timeout``,
-        blocks until every absent key is created or the (shared) timeout passes. Raises
-        KeyNotFoundError for the first absent key when neither default nor timeout is
-        given, InvalidTypeError for a lone str/bytes instead of a list. Thread-safe.
+        blocks until every absent key is created or the (shared) timeout passes, also
+        while etcd is unreachable (then StoreTimeoutError's ``__cause__`` is the
+        EtcdConnectionError, unless a default answers). A timeout of 0 is one look: it
+        raises EtcdConnectionError when etcd cannot be read, as a consistent read does.
+        Raises KeyNotFoundError for the first absent key when neither default nor timeout
+        is given, InvalidTypeError for a lone str/bytes instead of a list. Thread-safe.
         ``consistent=True``: linearizable, as for :meth:`get` (one shared revision request
         for all the names).
         """
@@ -467,7 +470,9 @@ class EtcdStore:
 
         ``timeout`` defaults to the store's ``timeout`` (300 s). Raises
         :class:`~cachedstore.StoreTimeoutError` (a TimeoutError) when it passes, also when
-        etcd is unreachable until then. Waiters share the store's one watch: no extra etcd
+        etcd is unreachable until then (its ``__cause__`` the EtcdConnectionError); a
+        timeout of 0 is one look, which raises EtcdConnectionError when etcd cannot be read,
+        as a consistent first look does. Waiters share the store's one watch: no extra etcd
         stream, no polling. InvalidTypeError for a lone str/bytes. Thread-safe.
         ``consistent=True``: the first look is linearizable (a key created before the call
         began is found without waiting for the watch).

@@ -246,3 +246,28 @@ def test_a_blocking_mget_hands_its_first_reads_outage_to_the_first_wait_only(
 
         monkeypatch.setattr(store._reads, "fetch", staged)
         assert store.mget(["a", "b"], timeout=5.0) == [b"1", b"2"]
+
+
+def test_a_blocking_mget_in_an_outage_reads_no_key_past_its_deadline(etcd, prefix,
+                                                                     monkeypatch):
+    """With a default, a blocking ``mget`` that met an outage answers each key it could not
+    read with the default at its deadline. The first key's wait still found etcd
+    unreachable at the deadline: the next key is not read past it (each such read would
+    add 250 ms to the call), so two reads in all. Time is a fake clock's; etcd's answers
+    are staged on the store's read."""
+    from cachedstore import EtcdConnectionError
+
+    clock = FakeClock()
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, preload_limit=0,
+                   clock=clock) as store:
+        reads: list[list[str]] = []
+
+        def unreachable(names, deadline=None):
+            reads.append(list(names))
+            if len(reads) == 2:
+                clock.advance(10.0)  # the first key's retry fails at the deadline
+            raise EtcdConnectionError("etcd range: etcd unreachable (staged)")
+
+        monkeypatch.setattr(store._reads, "fetch", unreachable)
+        assert store.mget(["a", "b"], None, timeout=5.0) == [None, None]
+        assert reads == [["a", "b"], ["a"]]

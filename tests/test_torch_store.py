@@ -413,6 +413,31 @@ def test_check_raises_a_network_error_when_etcd_cannot_be_asked(tstore, monkeypa
         tstore.check(["present", "absent"])
 
 
+def test_check_raises_a_network_error_when_a_looks_second_read_fails(tstore, monkeypatch):
+    """As above, but each key's look reads etcd twice (its cache cannot answer: the first
+    read finds the key absent, the look then reads it again) and only the second read
+    fails: the look times out for the outage, which is still unknown, not absent."""
+    from cachedstore import EtcdConnectionError
+
+    tstore.set("present", "1")
+    assert not tstore.check(["present", "absent"])  # scopes open, the queues known empty
+    etcd_store = tstore._etcd
+    reads: list[list[str]] = []
+
+    def answers_then_fails(names, deadline=None):
+        reads.append(list(names))
+        if len(reads) % 2:
+            return dict.fromkeys(names)  # absent
+        raise EtcdConnectionError("etcd range: etcd unreachable (staged)")
+
+    monkeypatch.setattr(etcd_store, "check", lambda names: False)
+    monkeypatch.setattr(etcd_store._cache, "lookup_or_absent", lambda name: None)
+    monkeypatch.setattr(etcd_store._reads, "fetch", answers_then_fails)
+    with pytest.raises(dist.DistNetworkError, match="staged"):
+        tstore.check(["present", "absent"])
+    assert len(reads) == 2
+
+
 @pytest.mark.parametrize("scope", ["prefix", "touched"])
 def test_get_and_multi_get_of_a_present_key_outlast_a_short_outage(etcd, prefix, scope):
     """``get`` and ``multi_get`` of a key that exists, begun while etcd refuses every

@@ -475,7 +475,11 @@ class TorchEtcdStore(dist.Store):
         EtcdConnectionError if etcd could not be asked: unknown, not absent."""
         try:
             self._etcd.wait([name], timeout=0)
-        except StoreTimeoutError:
+        except StoreTimeoutError as exc:
+            # A look whose first read answered but whose second could not reach etcd (its
+            # cache incomplete) times out for the outage: unknown, not absent.
+            if isinstance(exc.__cause__, EtcdConnectionError):
+                raise exc.__cause__ from None
             return False
         return True
 

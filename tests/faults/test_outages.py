@@ -271,3 +271,18 @@ def test_blocking_reads_that_meet_an_outage_end_as_timeouts(
                 call()
             assert isinstance(caught.value.__cause__, EtcdConnectionError), name
         proxy.heal()
+
+
+def test_a_blocking_mget_in_an_outage_serves_what_max_staleness_allows(
+        server: LocalEtcd, proxy: FaultProxy, prefix: str) -> None:
+    """A blocking ``mget`` (with a default) whose read met an outage serves the keys its
+    cache may still serve, a stale entry ``max_staleness`` allows included, as ``get``
+    does; only the others wait, and end with the default at the deadline."""
+    with _store(proxy.endpoint, prefix, max_staleness=60.0) as store:
+        store.set("cached", "v")
+        assert store.get("cached") == b"v"
+        proxy.reset(refuse=True)
+        wait_until(lambda: not store.watch_healthy, 5, "the watch to notice the outage")
+        assert store.get("cached", timeout=0.5) == b"v"  # what get serves ...
+        assert store.mget(["cached", "uncached"], None, timeout=0.5) == [b"v", None]
+        proxy.heal()
