@@ -476,11 +476,11 @@ class ReadThrough:
             if waiter is not None:
                 cache.remove_waiter(name, waiter)
 
-    def _waited(self, name: str, deadline: float, timeout: Timeout, default: Any,
-                outage: EtcdConnectionError | None = None) -> Steps[bytes | None]:
+    def _waited(self, name: str, deadline: float, timeout: Timeout, default: Any
+                ) -> Steps[bytes | None]:
         """:meth:`wait_steps`, with a timeout answered by ``default`` when there is one."""
         try:
-            return (yield from self.wait_steps(name, deadline, timeout, outage))
+            return (yield from self.wait_steps(name, deadline, timeout))
         except StoreTimeoutError:
             if default is MISSING:
                 raise
@@ -612,7 +612,7 @@ class ReadThrough:
             if values.get(name) is None and deadline is not None:
                 try:
                     values[name] = yield from self.wait_steps(name, deadline, timeout, outage)
-                    outage = None  # etcd answered that wait
+                    outage = None  # that wait was answered: the outage is old news
                 except StoreTimeoutError as exc:
                     if default is MISSING:
                         raise
