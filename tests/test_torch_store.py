@@ -392,31 +392,16 @@ def test_a_wait_in_an_outage_ends_at_its_deadline_without_another_etcd_read(
         store.close()
 
 
-def test_check_raises_a_network_error_when_etcd_cannot_be_asked(tstore, monkeypatch):
+@pytest.mark.parametrize("failing", ["every read", "a look's second read"])
+def test_check_raises_a_network_error_when_etcd_cannot_be_asked(tstore, monkeypatch,
+                                                                failing):
     """A ``check`` whose look at one key cannot reach etcd raises torch's network error:
     the key's existence is unknown, not false, even where the queues' remembered
-    emptiness would answer the rest without etcd. (Staged: the keys' own read answered
-    "not all present" just before reads started failing; the watch stays healthy.)"""
-    from cachedstore import EtcdConnectionError
-
-    tstore.set("present", "1")
-    assert not tstore.check(["present", "absent"])  # scopes open, the queues known empty
-    etcd_store = tstore._etcd
-
-    def unreachable(*args, **kwargs):
-        raise EtcdConnectionError("etcd range: etcd unreachable (staged)")
-
-    monkeypatch.setattr(etcd_store, "check", lambda names: False)
-    monkeypatch.setattr(etcd_store._cache, "lookup_or_absent", lambda name: None)
-    monkeypatch.setattr(etcd_store._reads, "fetch", unreachable)
-    with pytest.raises(dist.DistNetworkError, match="staged"):
-        tstore.check(["present", "absent"])
-
-
-def test_check_raises_a_network_error_when_a_looks_second_read_fails(tstore, monkeypatch):
-    """As above, but each key's look reads etcd twice (its cache cannot answer: the first
-    read finds the key absent, the look then reads it again) and only the second read
-    fails: the look times out for the outage, which is still unknown, not absent."""
+    emptiness would answer the rest without etcd. Staged: the keys' own read answered
+    "not all present" just before reads started failing (the watch stays healthy), and
+    the cache cannot answer the looks, so each look reads etcd twice (the first read
+    finds the key absent, the look reads it again); either every read fails, or only
+    the second (the look then times out for the outage)."""
     from cachedstore import EtcdConnectionError
 
     tstore.set("present", "1")
@@ -424,18 +409,18 @@ def test_check_raises_a_network_error_when_a_looks_second_read_fails(tstore, mon
     etcd_store = tstore._etcd
     reads: list[list[str]] = []
 
-    def answers_then_fails(names, deadline=None):
+    def staged(names, deadline=None):
         reads.append(list(names))
-        if len(reads) % 2:
+        if failing != "every read" and len(reads) % 2:
             return dict.fromkeys(names)  # absent
         raise EtcdConnectionError("etcd range: etcd unreachable (staged)")
 
     monkeypatch.setattr(etcd_store, "check", lambda names: False)
     monkeypatch.setattr(etcd_store._cache, "lookup_or_absent", lambda name: None)
-    monkeypatch.setattr(etcd_store._reads, "fetch", answers_then_fails)
+    monkeypatch.setattr(etcd_store._reads, "fetch", staged)
     with pytest.raises(dist.DistNetworkError, match="staged"):
         tstore.check(["present", "absent"])
-    assert len(reads) == 2
+    assert len(reads) == (1 if failing == "every read" else 2)
 
 
 @pytest.mark.parametrize("scope", ["prefix", "touched"])
