@@ -479,7 +479,9 @@ class _Oracle:
     from the next revision on the next member (the checker never compacts past it).
     Thread: ``checker-oracle``."""
 
-    def __init__(self, endpoints: list[str], prefix: bytes, start_revision: int) -> None:
+    def __init__(self, endpoints: list[str], prefix: bytes, start_revision: int, *,
+                 watch: bool = True) -> None:
+        """``watch=False``: no stream, no thread; record what :meth:`apply` is given."""
         from cachedstore.keys import prefix_range_end
 
         self._endpoints = endpoints
@@ -497,7 +499,8 @@ class _Oracle:
         self.restarts = 0
         self.error: BaseException | str | None = None
         self._thread = threading.Thread(target=self._run, name="checker-oracle", daemon=True)
-        self._thread.start()
+        if watch:
+            self._thread.start()
 
     def _requests(self) -> Iterator[Any]:
         yield etcdrpc.WatchRequest(create_request=etcdrpc.WatchCreateRequest(
@@ -538,23 +541,33 @@ class _Oracle:
                 self.error = f"oracle watch canceled: {response.cancel_reason} " \
                              f"(compact revision {response.compact_revision})"
                 return
-            now = time.monotonic()
-            plen = len(self._prefix)
-            counter_at = 0
-            for event in response.events:
-                kv = event.kv
-                name = kv.key[plen:]
-                self.changes.append((kv.mod_revision, bytes(name),
-                                     bytes(kv.value) if event.type == _PUT else None))
-                if self._counter.update(name, kv, event.type == _PUT):
-                    counter_at = kv.mod_revision
-                    continue
-                self.events.append((kv.mod_revision, name.decode(),
-                                    kv.value.decode() if event.type == _PUT else None, now))
-            if counter_at:  # the counter's value after the response's last change of it
+            self.apply(response, time.monotonic())
+
+    def apply(self, response: Any, now: float) -> None:
+        """Record one watch response's events (seen at ``now``). The counter's value is
+        recorded after each revision that changed it (a Txn changes its key and parts at
+        one revision): a response may carry many revisions (a backlog sent at once, after
+        the oracle resumed on another member), and recording only the value after the
+        last would leave every value in between out of etcd's history."""
+        plen = len(self._prefix)
+        counter_at = 0
+        for event in response.events:
+            kv = event.kv
+            if counter_at and kv.mod_revision != counter_at:
                 self.events.append((counter_at, COUNTER, self._counter.value(), now))
-            if response.events:
-                self.revision = response.events[-1].kv.mod_revision
+                counter_at = 0
+            name = kv.key[plen:]
+            self.changes.append((kv.mod_revision, bytes(name),
+                                 bytes(kv.value) if event.type == _PUT else None))
+            if self._counter.update(name, kv, event.type == _PUT):
+                counter_at = kv.mod_revision
+                continue
+            self.events.append((kv.mod_revision, name.decode(),
+                                kv.value.decode() if event.type == _PUT else None, now))
+        if counter_at:  # the counter's value after the response's last change of it
+            self.events.append((counter_at, COUNTER, self._counter.value(), now))
+        if response.events:
+            self.revision = response.events[-1].kv.mod_revision
 
     def wait_for(self, revision: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout

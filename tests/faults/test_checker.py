@@ -287,6 +287,36 @@ def test_staleness_bound_catches_an_old_absence() -> None:
         report.violations
 
 
+def test_the_oracle_records_the_counter_after_every_revision_of_a_response() -> None:
+    """A watch response can carry many revisions (the backlog etcd sends a watch that
+    resumed on another member after its leader was killed): the counter's value after
+    each of them is in the oracle's history, not only the last one's (a CI run reported
+    16 adds and 15 reads of ctr as "not in etcd's history" right after a resume). Two
+    changes at one revision (a Txn) are one state."""
+    from etcd3.etcdrpc import kv_pb2, rpc_pb2
+
+    from cachedstore.counters import MARK
+
+    from .checker import _Oracle
+
+    prefix = b"/oracle/"
+    ones = prefix + b"\xff\xffcounter/" + COUNTER.encode() + b"/ones"
+    key = prefix + COUNTER.encode()
+
+    def put(k: bytes, value: bytes, revision: int, version: int = 1) -> object:
+        return kv_pb2.Event(type=kv_pb2.Event.PUT, kv=kv_pb2.KeyValue(
+            key=k, value=value, mod_revision=revision, version=version))
+
+    oracle = _Oracle([], prefix, 10, watch=False)
+    oracle.apply(rpc_pb2.WatchResponse(events=[
+        put(key, MARK + b"0", 10), put(ones, b"", 10, version=1),  # one Txn: one state
+        put(ones, b"", 11, version=2), put(prefix + b"k0", b"x", 12),
+        put(ones, b"", 13, version=3), put(ones, b"", 14, version=4)]), now=1.0)
+    assert [(r, v) for r, name, v, _ in oracle.events if name == COUNTER] == [
+        (10, "1"), (11, "2"), (13, "3"), (14, "4")]
+    assert oracle.revision == 14
+
+
 def test_plan_is_reproducible() -> None:
     config = CheckerConfig(seed=1234)
     assert make_plan(config) == make_plan(CheckerConfig(seed=1234))
