@@ -158,9 +158,9 @@ class ReadThrough:
         if deadline is None:
             return own
         floor = now + MIN_ROUND_TRIP
-        operation = _OPERATION.get()
-        if operation is not None and operation[0] is self and operation[1] > floor:
-            floor = operation[1]
+        end = self._operation_end()
+        if end is not None and end > floor:
+            floor = end
         return min(own, max(deadline, floor))
 
     def look_deadline(self) -> float:
@@ -168,13 +168,15 @@ class ReadThrough:
         queue's count, a directory's opening read): ``request_timeout``, but inside an
         operation of this store (:meth:`within`) no later than the operation's end (nor
         sooner than :data:`MIN_ROUND_TRIP` from now), so that a wait's ``ready()`` making
-        such reads one after another does not outlast the wait by a request timeout each."""
-        now = self._clock.monotonic()
-        own = now + self._config.request_timeout
+        such reads one after another does not outlast the wait by a request timeout each:
+        :meth:`call_deadline` of the operation's end, or of no deadline."""
+        return self.call_deadline(self._operation_end())
+
+    def _operation_end(self) -> float | None:
+        """The deadline of this store's operation the calling thread's reads belong to
+        (:meth:`within`), or None."""
         operation = _OPERATION.get()
-        if operation is None or operation[0] is not self:
-            return own
-        return min(own, max(operation[1], now + MIN_ROUND_TRIP))
+        return operation[1] if operation is not None and operation[0] is self else None
 
     @contextmanager
     def within(self, seconds: float) -> Iterator[None]:
@@ -397,10 +399,19 @@ class ReadThrough:
         """Values of canonical ``names``: served entries first, the rest read from etcd in
         batches. Returns (name → value or None, the names served from the cache).
         ``consistent``: linearizable (:meth:`consistent` decides what the cache serves)."""
-        values: dict[str, bytes | None] = {}
-        misses = []
         names = list(names)
         fresh = self.consistent(names, deadline) if consistent else None
+        values, misses = self._from_cache(names, blocking, fresh)
+        if misses:
+            values.update(self.fetch(misses, deadline))
+        return values, set(names).difference(misses)
+
+    def _from_cache(self, names: list[str], blocking: bool, fresh: set[str] | None = None
+               ) -> tuple[dict[str, bytes | None], list[str]]:
+        """What the cache may answer of canonical ``names`` (:meth:`cached`; with
+        ``fresh``, a consistent read's, only those names): (name → value, the rest)."""
+        values: dict[str, bytes | None] = {}
+        misses = []
         for name in names:
             if fresh is None:
                 entry = self.cached(name, blocking)
@@ -410,9 +421,7 @@ class ReadThrough:
                 misses.append(name)
             else:
                 values[name] = entry[0]
-        if misses:
-            values.update(self.fetch(misses, deadline))
-        return values, set(names).difference(misses)
+        return values, misses
 
     # -- blocking ------------------------------------------------------------------------------
     def pause(self, name: str, deadline: float, timeout: Timeout,
@@ -597,12 +606,9 @@ class ReadThrough:
             # (wait_steps retries etcd while time is left, and at the deadline raises
             # StoreTimeoutError with the outage as its cause), as a blocking get does.
             # What the cache serves (a stale entry max_staleness allows, too) is served.
-            values, served, outage = {}, set(), exc
-            for name in dict.fromkeys(canonical.values()):
-                entry = self.cached(name, blocking=True)
-                if entry is not None:
-                    values[name] = entry[0]
-                    served.add(name)
+            unique = list(dict.fromkeys(canonical.values()))
+            values, misses = self._from_cache(unique, blocking=True)
+            served, outage = set(unique).difference(misses), exc
         # Per position, as the hot path counts: a name given twice is two hits or misses.
         hits = sum(1 for i in pending if canonical[i] in served)
         self._metrics.hit[op].inc(len(names) - len(pending) + hits)

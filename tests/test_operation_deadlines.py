@@ -32,24 +32,24 @@ pytestmark = pytest.mark.timeout(60)
 LONG = 5.0
 
 
-def _record_deadlines(store: EtcdStore) -> list[tuple[str, float]]:
+def _record_deadlines(store: EtcdStore) -> list[tuple[str, float, float]]:
     """Every etcd request the store's reads send from now on, as (method, seconds its
-    deadline leaves when the connection receives it)."""
+    deadline leaves when the connection receives it, the deadline itself)."""
     reads = store._reads
     conn, clock = reads._conn, reads._clock
-    seen: list[tuple[str, float]] = []
+    seen: list[tuple[str, float, float]] = []
     call = conn.call
 
     def recording(method: str, request: Any, *, deadline: float, **kwargs: Any) -> Any:
-        seen.append((method, deadline - clock.monotonic()))
+        seen.append((method, deadline - clock.monotonic(), deadline))
         return call(method, request, deadline=deadline, **kwargs)
 
     conn.call = recording  # type: ignore[method-assign]
     return seen
 
 
-def _reads_of(seen: list[tuple[str, float]]) -> list[float]:
-    return [left for method, left in seen if method in ("range", "txn")]
+def _reads_of(seen: list[tuple[str, float, float]]) -> list[float]:
+    return [left for method, left, _ in seen if method in ("range", "txn")]
 
 
 @pytest.mark.parametrize("options", [{"watch_scope": "touched"},
@@ -138,21 +138,13 @@ def test_torch_get_under_a_silent_etcd_ends_at_its_store_timeout(etcd, prefix):
             TorchEtcdStore(endpoints=[proxy.endpoint], prefix=prefix,
                            timeout=timedelta(seconds=1)) as store:
         store.set("warm", "1")  # a pooled connection: the look is sent, and held
-        clock = store._etcd._reads._clock
-        conn = store._etcd._reads._conn
-        deadlines: list[float] = []
-        call = conn.call
-
-        def recording(method: str, request: Any, *, deadline: float, **kwargs: Any) -> Any:
-            deadlines.append(deadline)
-            return call(method, request, deadline=deadline, **kwargs)
-
-        conn.call = recording
+        seen = _record_deadlines(store._etcd)
         proxy.stall()
-        started = clock.monotonic()
+        started = store._etcd._reads._clock.monotonic()
         with pytest.raises(DistStoreError, match="wait timeout"):
             store.get("never-written")
         proxy.heal()
+    deadlines = [deadline for _, _, deadline in seen]
     assert deadlines, "the first look sent nothing"
     assert deadlines[0] > started + 0.9  # the look had the store timeout, not 250 ms
     assert max(deadlines) <= started + 1.0 + MIN_ROUND_TRIP + 0.2, \
