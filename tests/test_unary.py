@@ -7,8 +7,10 @@ concurrent call; a connection etcd closed, or idle too long, never reused), dead
 from __future__ import annotations
 
 import os
+import select
 import socket
 import ssl
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -561,6 +563,69 @@ def test_a_connection_etcd_closed_in_the_pool_is_not_reused(
         assert first not in channel._open and len(channel._open) == 1
     finally:
         channel.close()
+
+
+def _answer(conn: socket.socket, stream: int) -> None:
+    """An empty RangeResponse with status 0 on ``stream``."""
+    conn.sendall(_frame(1, 4, stream, b"\x88") + _frame(0, 0, stream, b"\x00" * 5)
+                 + _frame(1, 5, stream, _literal(b"grpc-status", b"0")))
+
+
+def _retiring_peer(how: str) -> tuple[_Peer, list[int]]:
+    """A peer whose first connection answers one call and then, ``how``: ``"closed"``
+    (a FIN, no GOAWAY), ``"reset"`` (an RST: neither) or ``"goaway"`` (a GOAWAY, the
+    connection kept open, read no more, until the peer is closed). Every later connection
+    answers every call. The list counts the calls each connection got."""
+    kept: list[socket.socket] = []
+    calls: list[int] = []
+
+    def serve(conn: socket.socket) -> None:
+        first = not calls
+        calls.append(0)
+        conn.sendall(_frame(4, 0, 0))
+        for stream in _requests_of(conn):
+            calls[-1] += 1
+            _answer(conn, stream)
+            if first:
+                if how == "reset":
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                    struct.pack("ii", 1, 0))
+                elif how == "goaway":
+                    conn.sendall(_frame(7, 0, 0, (1).to_bytes(4, "big") + bytes(4)))
+                    kept.append(conn.dup())
+                return  # _Peer closes conn
+
+    peer = _Peer(serve)
+    close = peer.close
+
+    def close_all() -> None:
+        close()
+        for sock in kept:
+            sock.close()
+
+    peer.close = close_all  # type: ignore[method-assign]
+    return peer, calls
+
+
+@pytest.mark.parametrize("how", ["closed", "reset", "goaway"])
+def test_what_came_while_the_connection_sat_in_the_pool_is_seen_before_reusing_it(
+        how: str) -> None:
+    """The pool's peek before reusing a connection: a peer that closed it without a
+    GOAWAY, reset it, or sent a GOAWAY and keeps it open (the peek reads it) gets the next
+    call on a new connection, which succeeds; the retired one gets no request. (Reused,
+    the closed one would fail the call as possibly sent, the other one would time out.)"""
+    peer, calls = _retiring_peer(how)
+    channel, rpc = _channel(peer.target)
+    try:
+        rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=5)
+        (first,) = channel._idle
+        # What the peer did reaches this side: the idle socket turns readable.
+        assert select.select([first.sock], [], [], 5)[0]
+        rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=2)
+        assert calls == [1, 1] and first not in channel._open
+    finally:
+        channel.close()
+        peer.close()
 
 
 def test_a_connection_idle_too_long_is_not_reused(etcd: LocalEtcd, prefix: str) -> None:
