@@ -227,7 +227,7 @@ def test_short_run_kill_restart_queues_and_both_watch_scopes(
 def test_short_run_on_a_cluster_that_loses_its_leader(tmp_path: Path) -> None:
     """3 processes on a 3-member cluster, 10 s: the leader is SIGKILLed (an election) and
     restarted, besides the proxies' faults and compactions; queues, both watch scopes, a
-    fifth of the reads through ``aget`` (what the single-member kill run below covers,
+    fifth of the reads through ``aget`` (what the single-member kill run above covers,
     without etcd#14370's lost writes)."""
     from cachedstore.testing import LocalEtcdCluster
 
