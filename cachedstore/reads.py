@@ -593,10 +593,11 @@ class ReadThrough:
         deadline = self.deadline(wait)
         # In the order given (not a set's, which follows str hashes): the same call makes
         # the same requests in every process (the simulation replays exactly).
+        unique = list(dict.fromkeys(canonical.values()))
         outage: EtcdConnectionError | None = None
         try:
-            values, served = yield Call(self.resolve, (dict.fromkeys(canonical.values()),
-                                                       wait is not None, deadline, consistent))
+            values, served = yield Call(self.resolve, (unique, wait is not None, deadline,
+                                                       consistent))
         except EtcdConnectionError as exc:
             if deadline is None or consistent or not wait:
                 # Not a wait (a zero timeout is a look: its caller retries, as torch's
@@ -606,7 +607,6 @@ class ReadThrough:
             # (wait_steps retries etcd while time is left, and at the deadline raises
             # StoreTimeoutError with the outage as its cause), as a blocking get does.
             # What the cache serves (a stale entry max_staleness allows, too) is served.
-            unique = list(dict.fromkeys(canonical.values()))
             values, misses = self._from_cache(unique, blocking=True)
             served, outage = set(unique).difference(misses), exc
         # Per position, as the hot path counts: a name given twice is two hits or misses.
