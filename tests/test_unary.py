@@ -145,6 +145,13 @@ def _literal(name: bytes, value: bytes) -> bytes:
     return b"\x40" + bytes([len(name)]) + name + bytes([len(value)]) + value
 
 
+def _answer(stream: int) -> bytes:
+    """The frames of a whole successful answer on ``stream``: ``:status 200`` (indexed),
+    an empty RangeResponse, trailers with ``grpc-status: 0``."""
+    return (_frame(1, 4, stream, b"\x88") + _frame(0, 0, stream, b"\x00" + bytes(4))
+            + _frame(1, 5, stream, _literal(b"grpc-status", b"0")))
+
+
 def _requests_of(conn: socket.socket, frames: list[tuple[int, int, bytes]] | None = None
                  ) -> Any:
     """The stream ids of the requests a client sends on ``conn`` (after the preface), as
@@ -268,14 +275,12 @@ def test_settings_at_once_and_pings_once_they_are_ack_delay_old(
     other PING (a keepalive) with the very next request."""
     monkeypatch.setattr(unary, "_ACK_DELAY", 0.5)
     frames: list[tuple[int, int, bytes]] = []
-    empty = b"\x00" + (0).to_bytes(4, "big")
 
     def serve(conn: socket.socket) -> None:
         conn.sendall(_frame(4, 0, 0))
         for n, stream in enumerate(_requests_of(conn, frames)):  # until the client closes
             pings = _frame(6, 0, 0, BDP_PING) + (_frame(6, 0, 0, b"keepaliv") if n == 3 else b"")
-            conn.sendall(pings + _frame(1, 4, stream, b"\x88") + _frame(0, 0, stream, empty)
-                         + _frame(1, 5, stream, _literal(b"grpc-status", b"0")))
+            conn.sendall(pings + _answer(stream))
 
     peer = _Peer(serve)
     channel, rpc = _channel(peer.target)
@@ -444,14 +449,12 @@ def test_a_silent_tls_peer_times_the_call_out(tmp_path: Path) -> None:
     server_side.load_cert_chain(files.server_cert, files.server_key)
     server_side.set_alpn_protocols(["h2"])
     done = threading.Event()
-    empty = b"\x00" + (0).to_bytes(4, "big")
 
     def serve(raw: socket.socket) -> None:
         with server_side.wrap_socket(raw, server_side=True) as conn:
             conn.sendall(_frame(4, 0, 0))
             for stream in _requests_of(conn):  # type: ignore[arg-type]
-                conn.sendall(_frame(1, 4, stream, b"\x88") + _frame(0, 0, stream, empty)
-                             + _frame(1, 5, stream, _literal(b"grpc-status", b"0")))
+                conn.sendall(_answer(stream))
                 break
             done.wait(30)
 
@@ -565,12 +568,6 @@ def test_a_connection_etcd_closed_in_the_pool_is_not_reused(
         channel.close()
 
 
-def _answer(conn: socket.socket, stream: int) -> None:
-    """An empty RangeResponse with status 0 on ``stream``."""
-    conn.sendall(_frame(1, 4, stream, b"\x88") + _frame(0, 0, stream, b"\x00" * 5)
-                 + _frame(1, 5, stream, _literal(b"grpc-status", b"0")))
-
-
 def _retiring_peer(how: str) -> tuple[_Peer, list[int]]:
     """A peer whose first connection answers one call and then, ``how``: ``"closed"``
     (a FIN, no GOAWAY), ``"reset"`` (an RST: neither) or ``"goaway"`` (a GOAWAY, the
@@ -585,7 +582,7 @@ def _retiring_peer(how: str) -> tuple[_Peer, list[int]]:
         conn.sendall(_frame(4, 0, 0))
         for stream in _requests_of(conn):
             calls[-1] += 1
-            _answer(conn, stream)
+            conn.sendall(_answer(stream))
             if first:
                 if how == "reset":
                     conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
@@ -867,7 +864,6 @@ def test_pings_are_acknowledged_while_a_call_waits_long() -> None:
     without waiting for the next request (grpc-go drops a connection that leaves its
     keepalive unanswered)."""
     frames: list[tuple[int, int, bytes]] = []
-    empty = b"\x00" + (0).to_bytes(4, "big")
 
     def slow(conn: socket.socket) -> None:
         conn.sendall(_frame(4, 0, 0))
@@ -883,8 +879,7 @@ def test_pings_are_acknowledged_while_a_call_waits_long() -> None:
                     continue
                 if chunk[:3] and chunk[3] == 6:
                     frames.append((6, chunk[4], chunk[9:17]))
-            conn.sendall(_frame(1, 4, stream, b"\x88") + _frame(0, 0, stream, empty)
-                         + _frame(1, 5, stream, _literal(b"grpc-status", b"0")))
+            conn.sendall(_answer(stream))
             break
         time.sleep(0.2)
 
