@@ -56,6 +56,17 @@ Rules, all enforced here under one lock:
    a resync, a quiet scope's refresh) installs only the names its scope covers: a name
    with a scope of its own inside a directory's range keeps what that scope applied.
 
+10. **History only moves forward.** A linearizable answer (a read, a write) to a request
+   sent after the core knew of revision ``K`` (an event applied, an answer, a snapshot)
+   carries a revision of at least ``K``. One older means etcd's history went back: a
+   member that lost acknowledged writes (etcd#14370), members that diverged after a crash
+   (etcd#13766), a restore from a backup without ``--bump-revision``. Then every scope,
+   entry, mark and record is forgotten, a new root scope opens (``on_rewind`` has the
+   watcher read it and restart its stream), every waiter re-checks, and no result of an
+   operation begun before is ever installed: its revision numbers belong to the lost
+   history. Each ticket carries ``K`` as of :meth:`begin`; the watcher checks a stream
+   created behind what the core knows with one linearizable read (:meth:`answered`).
+
 This class is a little over 300 lines: the rules above share one lock and one state, and
 splitting them would spread one invariant over several objects.
 """
@@ -81,8 +92,9 @@ __all__ = ["NOT_SERVING", "AsyncWaiter", "CoherentCache", "Entry", "Scope", "Thr
 Entry = tuple[bytes | None, int, int]
 #: Floor while the watch is down: no entry is that new, so nothing is served.
 NOT_SERVING = sys.maxsize
-#: What :meth:`CoherentCache.begin` returns: the epoch the operation began in.
-Ticket = int
+#: What :meth:`CoherentCache.begin` returns: the epoch the operation began in, and the
+#: newest revision the core knew of then (rule 10).
+Ticket = tuple[int, int]
 _Woken = list[tuple[Waiter, bytes]]
 
 
@@ -216,6 +228,17 @@ class CoherentCache:
         self.floor = NOT_SERVING
         self._stream_up = False
         self._epoch = 0
+        #: Rule 10: the newest revision etcd is known to have committed, and the epoch
+        #: of the last time its history went back (no older ticket's result installs).
+        self._known = 0
+        self._rewound = 0
+        self._root_range = root
+        #: How often etcd's history was found to have gone back (rule 10).
+        self.rewinds = 0
+        #: Called (outside the lock, on the thread that found it) with the new root scope,
+        #: the revision the core knew of and the older one etcd answered, when etcd's
+        #: history went back (rule 10): the store has the watcher read and watch it.
+        self.on_rewind: Callable[[Scope, int, int], None] | None = None
         if locate is None and scope_key is not None:
             def locate(scopes: dict[str, Scope], name: str) -> Scope | None:
                 return scopes.get(scope_key(name))
@@ -335,7 +358,7 @@ class CoherentCache:
         is dropped, and one root scope, opening, covers every name from now on. Open it
         with :meth:`open_scope` once its snapshot is read."""
         with self._lock:
-            for scope in self._scopes.values():
+            for scope in self._all_scopes():  # the root too, after a rewind (rule 10)
                 scope.removed = True
             self._scopes.clear()
             self._metrics.entries.dec(len(self._lru))
@@ -499,6 +522,8 @@ class CoherentCache:
             scope = scope or self._root
             if scope is None or scope.removed or scope.opening:
                 return
+            if revision > self._known:
+                self._known = revision  # rule 10: committed, so every answer from now on
             nested = self._root is None  # ranges may nest: a name's own scope applies it
             reset_at = scope.epoch_revision  # rule 4: a reset's snapshot covers these
             for name, value, mod_revision in events:
@@ -629,6 +654,8 @@ class CoherentCache:
             scope = scope or self._root
             if scope is None or scope.removed:
                 return
+            if revision > self._known:
+                self._known = revision
             self._reset_scope(scope, revision, snapshot, woken)
             for name in absent:
                 if name not in held and self._scope_of(name) is scope:
@@ -646,7 +673,7 @@ class CoherentCache:
             inflight = self._inflight
             for name in names:
                 inflight[name] = inflight.get(name, 0) + 1
-            return self._epoch
+            return self._epoch, self._known
 
     def _finish(self, name: str, ticket: Ticket, revision: int) -> bool:
         """Unregister one name; True if a result read or written at ``revision`` may be
@@ -659,9 +686,10 @@ class CoherentCache:
             del self._inflight[name]
             newer = self._dirty.pop(name, 0)
         scope = self._scope_of(name)
-        if scope is None:
+        epoch = ticket[0]
+        if scope is None or epoch < self._rewound:  # rule 10: a number of a lost history
             return False
-        if ticket < scope.reset_epoch and revision <= scope.epoch_revision:
+        if epoch < scope.reset_epoch and revision <= scope.epoch_revision:
             return False
         return newer <= revision
 
@@ -674,7 +702,10 @@ class CoherentCache:
         scope covers is not cached, and not counted."""
         dropped = 0
         woken: _Woken = []
+        rewound = None
         with self._lock:
+            if results is not None:
+                rewound = self._went_back(ticket, revision)
             for name in names:
                 allowed = self._finish(name, ticket, revision)
                 if results is None:
@@ -688,6 +719,7 @@ class CoherentCache:
         if dropped:
             self._metrics.fills_dropped.inc(dropped)
         self._wake(woken)
+        self._rewound_to(rewound)
         return dropped
 
     def end_write(self, writes: Iterable[tuple[str, bytes | None]], ticket: Ticket,
@@ -697,16 +729,19 @@ class CoherentCache:
         gate refuses it; a refused write is already covered by something newer."""
         woken: _Woken = []
         with self._lock:
+            rewound = self._went_back(ticket, revision)
             for name, value in writes:
                 if self._finish(name, ticket, revision):
                     self._result(name, value, revision, revision, True, woken)
         self._wake(woken)
+        self._rewound_to(rewound)
 
     def abandon(self, names: Iterable[str]) -> None:
         """Unregister operations that got no answer from etcd (failed or unknown outcome)."""
         with self._lock:
+            ticket = (self._epoch, 0)
             for name in names:
-                self._finish(name, self._epoch, 0)
+                self._finish(name, ticket, 0)
 
     def apply_write(self, name: str, value: bytes | None, revision: int) -> None:
         """Record a write made without :meth:`begin` (prefer begin/end_write: a write
@@ -715,6 +750,60 @@ class CoherentCache:
         with self._lock:
             self._result(name, value, revision, revision, True, woken)
         self._wake(woken)
+
+    # -- history (rule 10) -----------------------------------------------------------------
+    @property
+    def known_revision(self) -> Ticket:
+        """A ticket for a linearizable request about to be sent that installs nothing:
+        pass it to :meth:`answered` with the revision of its answer."""
+        with self._lock:
+            return self._epoch, self._known
+
+    def answered(self, ticket: Ticket, revision: int) -> bool:
+        """A linearizable request sent after ``ticket`` (:meth:`known_revision`) was
+        answered at etcd revision ``revision``. Returns True if that shows etcd's history
+        went back (rule 10; the cache then starts over), else False."""
+        with self._lock:
+            rewound = self._went_back(ticket, revision)
+        self._rewound_to(rewound)
+        return rewound is not None
+
+    def _went_back(self, ticket: Ticket, revision: int
+                   ) -> tuple[Scope, int, int, list[Waiter]] | None:
+        """Rule 10 (under the lock): an answer at ``revision`` to a request sent with
+        ``ticket``. Older than what the core knew then: start over; returns what
+        :meth:`_rewound_to` reports outside the lock. A ticket older than the last rewind
+        proves nothing (it knew the lost history's numbers)."""
+        epoch, known = ticket
+        if revision >= known or epoch < self._rewound or self.closed:
+            if revision > self._known and epoch >= self._rewound:
+                self._known = revision
+            return None
+        for scope in self._all_scopes():
+            scope.removed = True  # their late events and snapshots are ignored
+        self._scopes.clear()
+        self._metrics.entries.dec(len(self._lru))
+        self._lru.clear()
+        self._dirty.clear()
+        self._marks.clear()
+        self._epoch += 1
+        self._rewound = self._epoch
+        self._known = revision
+        self.rewinds += 1
+        root = self._root = self._opening_scope(None, *self._root_range)
+        # Nothing is served until the watcher has read the new root and watches it.
+        root.awaiting_create = True
+        self._refloor()
+        return root, known, revision, self._all_waiters()
+
+    def _rewound_to(self, rewound: tuple[Scope, int, int, list[Waiter]] | None) -> None:
+        if rewound is None:
+            return
+        root, known, revision, waiters = rewound
+        for waiter in waiters:
+            waiter.nudge()
+        if self.on_rewind is not None:
+            self.on_rewind(root, known, revision)
 
     # -- waiters ---------------------------------------------------------------------------------
     def add_waiter(self, name: str, waiter: Waiter) -> None:

@@ -85,6 +85,7 @@ ALL_OPS = READ_OPS + ("set", "mset", "add", "compare_set", "append", "delete", "
 #: Why the watch stream had to be restarted.
 RESTART_REASONS = (
     "disconnect", "compacted", "canceled", "stalled", "auth", "ended", "error", "rescoped",
+    "rewound",
 )
 
 #: The names of every metric family cachedstore exports (without the _bucket/_sum suffixes).

@@ -211,6 +211,15 @@ class ScopeOpener:
         self._count(1)
         self.fall_back(root)
 
+    def rewound(self) -> None:
+        """etcd's history went back and the cache started over with a root scope (rule
+        10 of cache.py): this store watches its whole prefix from now on, and every
+        scope it opened is gone. Blocks while another opening reads etcd."""
+        with self._lock:
+            self._open.clear()
+            self._keyed.clear()
+            self._count(1)
+
     def _count(self, n: int) -> None:
         self._metrics.watch_scopes.inc(n - self._counted)
         self._counted = n

@@ -46,7 +46,7 @@ from .metrics import make_metrics
 from .opener import ScopeOpener
 from .queues import Queues, item_prefix
 from .reads import MISSING, ReadThrough, Timeout, names_list
-from .scoping import locate
+from .scoping import Scope, locate
 from .snapshot import snapshot
 from .watcher import Watcher
 from .writes import Versioned, Writer
@@ -283,6 +283,15 @@ class EtcdStore:
         self._cache.on_waiter = self._watcher.hurry
         self._reads.progress.request = self._watcher.request_progress
         self._opener.fall_back = self._watcher.rescope
+        watcher, opener = self._watcher, self._opener
+
+        def went_back(root: Scope, known: int, revision: int) -> None:
+            # Rule 10 of cache.py: the cache started over with ``root``; the watch reads
+            # it and watches the whole prefix from now on.
+            opener.rewound()
+            watcher.rewound(root, known, revision)
+
+        self._cache.on_rewind = went_back
         self._watcher.start(revision)
         if self._cache.scoped:  # no read yet: the first one would open the connection
             self._conn.warm(deadline)

@@ -51,7 +51,7 @@ from typing import Any
 import grpc
 
 from . import etcdapi
-from .cache import CoherentCache
+from .cache import CoherentCache, Ticket
 from .clock import SYSTEM_CLOCK, Clock
 from .config import StoreConfig
 from .connection import Connection
@@ -62,7 +62,7 @@ from .keys import KeySpace
 from .liveness import pings_fit
 from .metrics import NullMetrics, StoreMetrics
 from .scoping import Scope
-from .snapshot import Entries, read_scope, read_scopes, snapshot
+from .snapshot import Entries, current_revision, read_scope, read_scopes, snapshot
 from .watchstream import RequestSide, WatchStream
 from .wire import PONG
 
@@ -122,6 +122,8 @@ class Watcher:
         anchor_key = keyspace.internal + b"anchor"
         self._anchor = Scope(None, anchor_key, anchor_key + b"\0")
         self._rescope = False
+        #: The fall-back was etcd's history going back (rule 10 of cache.py).
+        self._rewinding = False
         #: Scopes replaying since the stream was created: when first seen so (clock).
         self._lagging_since: dict[Scope, float] = {}
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -170,6 +172,21 @@ class Watcher:
         call = self._call
         if call is not None:
             call.cancel()
+
+    def rewound(self, scope: Scope, known: int, revision: int) -> None:
+        """etcd answered at ``revision`` a request sent after it had committed ``known``:
+        its history went back (rule 10 of cache.py), and the cache started over with the
+        root ``scope`` (opening). Logs it, then reads the scope and restarts the stream
+        on it. Thread-safe, does not block."""
+        log.error("cachedstore: etcd's history went back: it answered at revision %d a "
+                  "request sent after revision %d was committed (a member that lost "
+                  "acknowledged writes, members that diverged after a crash, or a restore "
+                  "from a backup without --bump-revision). The cache starts over from "
+                  "etcd's current state and watches the whole prefix; what was written "
+                  "in the lost revisions may be gone from etcd.", revision, known)
+        self._revision = revision
+        self._rewinding = True
+        self.rescope(scope)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Cancel the stream and join the thread. Idempotent."""
@@ -238,7 +255,7 @@ class Watcher:
             self._stream_was_healthy = False
             # A fall-back (rescope) from now on cancels the stream built below, however
             # early it lands: the flag is only cleared here, before the resync it asks.
-            self._rescope = False
+            self._rescope = self._rewinding = False
             try:
                 if self._needs_resync:
                     self._resync()
@@ -261,6 +278,7 @@ class Watcher:
             self._metrics.restart(reason)
             # Warn once per outage; the retries that follow are logged at debug level.
             log.log(logging.INFO if reason == "rescoped"
+                    else logging.ERROR if reason == "rewound"
                     else logging.WARNING if self._stream_was_healthy or attempt == 0
                     else logging.DEBUG,
                     "cachedstore watch restarting (%s) from revision %d: %s",
@@ -319,7 +337,8 @@ class Watcher:
             scopes = self._cache.watched_scopes()
             if self._cache.scoped:
                 scopes.insert(0, self._anchor)
-            stream = self._stream = WatchStream(scopes, self._anchor)
+            stream = self._stream = WatchStream(
+                scopes, self._anchor, known=lambda: self._cache.known_revision)
         side = self._request_side(stream, endpoint)
         stream.heard = self._clock.monotonic()
         call = side.call = endpoint.watch_stream.Watch(side.requests(),
@@ -374,7 +393,7 @@ class Watcher:
         if self._stopping.is_set():
             return "closed"
         if self._rescope:
-            return "rescoped"
+            return "rewound" if self._rewinding else "rescoped"
         if side.stalled.is_set():
             self._conn.failover(index)
             return "stalled"
@@ -435,6 +454,9 @@ class Watcher:
             return self._canceled(response, scope)
         if response.created:
             self._stream_was_healthy = True
+            if self._went_back(response.header.revision,
+                               stream.known_when_sent(response.watch_id)):
+                return "rewound"
             self._set_up(response.header.revision, None if scope is self._anchor else scope)
             self._metrics.watch_revision.set(max(self._revision, response.header.revision))
         elif not response.events:  # a progress response: liveness only, never ordering
@@ -453,6 +475,20 @@ class Watcher:
         self._conn.check_member(index, self._conn.deadline())
         with self._scopes_lock:
             return stream.created(response.watch_id)
+
+    def _went_back(self, created_at: int, sent: Ticket) -> bool:
+        """Rule 10 of cache.py for a store that reads only what it caches (it sends etcd
+        nothing else that would show it): a watch created at ``created_at`` (its answer's
+        header) behind what the cache knew etcd had committed when the create was sent
+        (``sent``) is checked with one linearizable read. A member that merely lags (a
+        follower after a failover) answers it at a revision at least that new; an older
+        one means etcd's history went back, and the cache starts over (True). Raises
+        cachedstore errors when etcd cannot be read."""
+        if created_at >= sent[1]:
+            return False
+        ticket = self._cache.known_revision  # taken before the read is sent
+        return self._cache.answered(ticket, current_revision(
+            self._conn, self._keyspace, self._conn.deadline()))
 
     def _canceled(self, response: Any, scope: Scope | None) -> str:
         """etcd canceled the watch of ``scope`` (None: not known): the restart reason.

@@ -37,7 +37,7 @@ from typing import Any
 import grpc
 
 from . import etcdapi
-from .cache import CoherentCache
+from .cache import CoherentCache, Ticket
 from .clock import Clock
 from .config import StoreConfig
 from .connection import Connection
@@ -76,9 +76,10 @@ class WatchStream:
 
     __slots__ = ("on_stream", "to_send", "awaiting", "by_id", "next_id", "kick",
                  "progress_wanted", "heard", "progress_answered", "send", "in_flight",
-                 "anchor")
+                 "anchor", "known", "known_at")
 
-    def __init__(self, scopes: list[Scope], anchor: Scope | None = None) -> None:
+    def __init__(self, scopes: list[Scope], anchor: Scope | None = None,
+                 known: Callable[[], Ticket] | None = None) -> None:
         #: The scope whose watch starts at etcd's current revision (the one internal key
         #: of a store that watches what it touched); every other watch resumes after what
         #: its scope applied.
@@ -105,6 +106,11 @@ class WatchStream:
         self.send: Callable[[Any], bool] | None = None
         #: The request side yielded a create its transport has not taken yet.
         self.in_flight = False
+        #: What the cache knew etcd had committed (``CoherentCache.known_revision``), and
+        #: so the least revision etcd answers a create with unless its member lags or its
+        #: history went back (rule 10 of cache.py): taken as each create is sent.
+        self.known = known
+        self.known_at: dict[int, Ticket] = {}
 
     def create_request(self, scope: Scope) -> Any:
         """The create of ``scope``'s watch: from what the scope applied, or from etcd's
@@ -129,6 +135,8 @@ class WatchStream:
     def sent(self, scope: Scope) -> None:
         """``scope``'s create was sent: it will be the next watch id."""
         self.awaiting[self.next_id] = scope
+        if self.known is not None:
+            self.known_at[self.next_id] = self.known()
         self.next_id += 1
 
     def created(self, watch_id: int) -> Scope | None:
@@ -137,6 +145,11 @@ class WatchStream:
         if scope is not None:
             self.by_id[watch_id] = scope
         return scope
+
+    def known_when_sent(self, watch_id: int) -> Ticket:
+        """What the cache knew when the create answered with ``watch_id`` was sent (once;
+        ``(0, 0)``, nothing, when not recorded)."""
+        return self.known_at.pop(watch_id, (0, 0))
 
 
 class RequestSide:

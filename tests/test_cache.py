@@ -210,3 +210,78 @@ def test_awaited_while_a_waiter_is_registered_or_the_cache_is_not_serving():
     assert cache.floor == 10 and cache.awaited()
     cache.apply_events([("k", b"w", 10)], 10)
     assert cache.floor == 0 and not cache.awaited()
+
+
+# -- rule 10: etcd's history going back ---------------------------------------------------
+def _rewinding() -> tuple[CoherentCache, list[tuple[object, int, int]]]:
+    """A cache that knows etcd committed revision 12 (a/new, b/gone), and what its
+    ``on_rewind`` was told."""
+    cache, _ = make()
+    told: list[tuple[object, int, int]] = []
+    cache.on_rewind = lambda root, known, revision: told.append((root, known, revision))
+    cache.reset(10, [("a", b"old", 5)])
+    cache.apply_events([("a", b"new", 11), ("b", b"gone", 12)], 12)
+    return cache, told
+
+
+def test_a_write_answered_older_than_what_was_known_when_it_was_sent_starts_over():
+    cache, told = _rewinding()
+    old_root = cache.scope_of("a")
+    waiter = ThreadWaiter()
+    cache.add_waiter("a", waiter)
+    ticket = cache.begin(["c"])
+    cache.end_write([("c", b"mine")], ticket, 11)  # 11 < 12, known when it was sent
+    assert cache.rewinds == 1
+    assert [(known, revision) for _, known, revision in told] == [(12, 11)]
+    new_root = told[0][0]
+    assert new_root is cache.scope_of("a") and new_root is not old_root
+    assert old_root.removed and new_root.opening
+    assert waiter.event.is_set()  # re-checks
+    # Nothing of the lost history is served, nor the write at a number it reused.
+    assert len(cache) == 0 and cache.floor == NOT_SERVING
+    for name in ("a", "b", "c"):
+        assert cache.peek(name) is None
+    # The old watch's late events are ignored; the new root opens at the new history.
+    cache.apply_events([("a", b"lost", 13)], 13, old_root)
+    assert cache.peek("a") is None
+    cache.reset(11, [("a", b"old", 5), ("c", b"mine", 11)], new_root)
+    cache.watch_up(11, new_root)
+    assert cache.lookup("a") == (b"old", 11, 5) and cache.lookup("b") is None
+    assert cache.applied_revision == 11
+
+
+def test_no_result_of_an_operation_begun_before_the_rewind_is_installed():
+    """Its revision is a number of the lost history, however new it looks."""
+    cache, told = _rewinding()
+    before = cache.begin(["a"])
+    cache.end_fill(["x"], cache.begin(["x"]), {}, 9)  # the answer that shows it
+    assert cache.rewinds == 1
+    new_root = told[0][0]
+    cache.reset(9, [("a", b"old", 5)], new_root)
+    cache.watch_up(9, new_root)
+    assert cache.end_fill(["a"], before, {"a": (b"lost", 13)}, 13) == 1
+    assert cache.lookup("a") == (b"old", 9, 5)
+    assert cache.rewinds == 1  # and it does not count as another one
+
+
+def test_a_late_answer_or_a_lagging_member_is_not_a_rewind():
+    """Older than what the cache knows *now* is a late answer (gated by rule 3, as
+    before); a lagging member answers a linearizable request at least at what was known
+    when it was sent."""
+    cache, told = _rewinding()
+    ticket = cache.begin(["a"])  # knows 12
+    cache.apply_events([("a", b"newer", 14)], 14)
+    assert cache.end_fill(["a"], ticket, {"a": (b"new", 11)}, 13) == 1  # late: dropped
+    assert not cache.answered(cache.known_revision, 14)
+    assert cache.rewinds == 0 and told == []
+    assert cache.lookup("a") == (b"newer", 14, 14)
+
+
+def test_the_watchers_check_of_a_member_behind_the_cache():
+    cache, told = _rewinding()
+    ticket = cache.known_revision
+    assert cache.answered(ticket, 8)
+    assert cache.rewinds == 1 and told[0][1:] == (12, 8)
+    # A ticket from before the rewind proves nothing more: it knew the lost numbers.
+    assert not cache.answered(ticket, 9)
+    assert cache.rewinds == 1

@@ -196,7 +196,7 @@ class CoreMachine(RuleBasedStateMachine):
     # -- local writes, answered now and recorded later ---------------------------------------------
     @rule(names=key_sets, delete=st.booleans())
     def write_sent(self, names: list[str], delete: bool) -> None:
-        ticket = 0 if self.unregistered_writes else self.core.begin(names)
+        ticket = (0, 0) if self.unregistered_writes else self.core.begin(names)
         rev = self.etcd.commit([(k, None if delete else b"") for k in names])
         changes = [(k, None if delete else b"v%d" % rev) for k in names]
         self.pending_writes.append((changes, ticket, rev))
@@ -352,7 +352,7 @@ class _NoEpoch(CoherentCache):
     """Rule 4 removed: a result that predates a reset is installed after it."""
 
     def _finish(self, name, ticket, revision):
-        return super()._finish(name, self._epoch, revision)
+        return super()._finish(name, (self._epoch, ticket[1]), revision)
 
 
 class _NoEpochMachine(CoreMachine):

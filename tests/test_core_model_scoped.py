@@ -709,7 +709,7 @@ class _NoScopeEpoch(CoherentCache):
     """Rule 4 removed for scopes: a result that predates its scope's reset is installed."""
 
     def _finish(self, name, ticket, revision):
-        return super()._finish(name, self._epoch, revision)
+        return super()._finish(name, (self._epoch, ticket[1]), revision)
 
 
 class _CreateRaisesNothing(CoherentCache):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,6 +17,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from cachedstore.server import LocalEtcd
+from cachedstore.server.binaries import find_etcd_binary
 
 T = TypeVar("T")
 
@@ -134,3 +137,30 @@ def import_graph(package: Path) -> dict[str, set[str]]:
             deps.update(c for c in candidates if c in modules and c != name)
         graph[name] = deps
     return graph
+
+
+def save_backup(server: LocalEtcd, path: Path) -> int:
+    """Save a backup of ``server``'s data (``etcdctl snapshot save``); returns the
+    revision it holds."""
+    server.etcdctl("snapshot", "save", str(path))
+    out = server.etcdctl("endpoint", "status", "-w", "fields").stdout
+    return int(next(line for line in out.splitlines() if '"Revision"' in line).split()[-1])
+
+
+def restore_backup(server: LocalEtcd, backup: Path, scratch: Path) -> None:
+    """Stop ``server`` and start it again on ``backup``, as an operator restores one
+    without ``--bump-revision``/``--mark-compacted``: same name, peer URL and cluster
+    token, so the same cluster and member ids, back at the backup's revision (the
+    revisions after it are handed out again). ``scratch``: an empty directory's parent."""
+    server.stop()
+    restored = scratch / "restored"
+    subprocess.run(
+        [find_etcd_binary("etcdutl"), "snapshot", "restore", str(backup),
+         f"--name={server.name}", f"--data-dir={restored}",
+         f"--initial-cluster={server.name}={server.advertised_peer_url}",
+         f"--initial-cluster-token={server.initial_cluster_token}",
+         f"--initial-advertise-peer-urls={server.advertised_peer_url}"],
+        check=True, capture_output=True, timeout=30)
+    shutil.rmtree(server.data_dir)
+    shutil.move(str(restored), str(server.data_dir))
+    server.restart()

@@ -98,7 +98,7 @@ def epoch() -> Iterator[None]:
     finish = CoherentCache._finish
 
     def no_epoch(self: Any, name: str, ticket: int, revision: int) -> bool:
-        return finish(self, name, self._epoch, revision)
+        return finish(self, name, (self._epoch, ticket[1]), revision)
 
     with _patched(CoherentCache, "_finish", no_epoch):
         yield
@@ -208,6 +208,8 @@ def absent_after_snapshot() -> Iterator[None]:
             scope = scope or self._root
             if scope is None or scope.removed:
                 return
+            if revision > self._known:
+                self._known = revision
             self._reset_scope(scope, revision, snapshot, woken)
             for name in absent:
                 if self._scope_of(name) is scope:
@@ -218,6 +220,37 @@ def absent_after_snapshot() -> Iterator[None]:
             waiter.nudge()
 
     with _patched(CoherentCache, "reset", reset):
+        yield
+
+
+@contextlib.contextmanager
+def history_rewind() -> Iterator[None]:
+    """Rule 10 of cache.py gone: an answer older than what the store knew etcd had
+    committed when it asked does not make the cache start over (etcd's history went
+    back: the store serves what etcd lost, and its watch resumes after it)."""
+    def went_back(self: Any, ticket: Any, revision: int) -> None:
+        if revision > self._known:
+            self._known = revision
+
+    with _patched(CoherentCache, "_went_back", went_back):
+        yield
+
+
+@contextlib.contextmanager
+def rewind_epoch() -> Iterator[None]:
+    """Rule 10 of cache.py, its epoch gone: a result of an operation begun before etcd's
+    history went back is installed after the cache started over (its revision is a
+    number of the history etcd lost)."""
+    finish = CoherentCache._finish
+
+    def finish_any(self: Any, name: str, ticket: Any, revision: int) -> bool:
+        rewound, self._rewound = self._rewound, 0
+        try:
+            return bool(finish(self, name, ticket, revision))
+        finally:
+            self._rewound = rewound
+
+    with _patched(CoherentCache, "_finish", finish_any):
         yield
 
 
@@ -233,4 +266,6 @@ MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "queue_replay": queue_replay,
     "deleted_counter_aget": deleted_counter_aget,
     "absent_after_snapshot": absent_after_snapshot,
+    "history_rewind": history_rewind,
+    "rewind_epoch": rewind_epoch,
 }

@@ -1,0 +1,90 @@
+"""etcd's history going back (rule 10 of cachedstore/cache.py), on a real etcd.
+
+An etcd restored from a backup without ``--bump-revision`` comes back with the same cluster
+id, at an older revision: what was written after the backup is gone, and the revisions
+it had are handed out again to new writes. etcd#14370 (a lone 3.5.1-3.5.4 member losing
+acknowledged writes to a crash) and etcd#13766 (members diverging after a crash, 3.5.0-3.5.2)
+look the same to a client. A store that kept its cache would serve the lost values for
+good: its watch resumes after the lost revisions and never hears of the keys' new states.
+
+Here the restore is made on purpose (``etcdutl snapshot restore`` into the member's data
+dir), so the history goes back every time, at a known revision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from cachedstore import EtcdStore
+from cachedstore.server import LocalEtcd
+from tests.util import restore_backup, save_backup
+
+from . import sample, wait_until
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _store(server: LocalEtcd, prefix: str, **kwargs: object) -> EtcdStore:
+    return EtcdStore(endpoints=[server.endpoint], prefix=prefix, request_timeout=2.0,
+                     connect_timeout=10.0, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("watch_scope", ["prefix", "touched"])
+def test_a_store_that_only_reads_its_cache_sees_the_history_go_back(
+        etcd_factory: Callable[..., LocalEtcd], prefix: str, tmp_path: Path,
+        watch_scope: str) -> None:
+    """A store that sends etcd nothing after the restore (its reads are hits) finds out
+    when its watch is created again on a member behind what it applied: one linearizable
+    read shows etcd's history went back, and the cache starts over. Without that check
+    the store keeps serving the lost values (its watch resumes after them)."""
+    server = etcd_factory()
+    with _store(server, prefix) as writer, \
+            _store(server, prefix, watch_scope=watch_scope) as reader:
+        writer.set("a", "backed up")
+        assert reader.get("a", consistent=True) == b"backed up"
+        backed_up = save_backup(server, tmp_path / "backup.db")
+        for i in range(5):  # lost: revisions the restored etcd will hand out again
+            writer.set("a", f"lost {i}")
+        writer.set("b", "lost")
+        assert reader.get("a", consistent=True) == b"lost 4"
+        assert reader.get("b", consistent=True) == b"lost"
+        applied = reader.watch_revision
+        assert applied >= backed_up + 6
+
+        restore_backup(server, tmp_path / "backup.db", tmp_path)
+        # No read until the watch is back (created again, serving): only it can find out.
+        wait_until(lambda: reader._watcher.restarts and reader.watch_healthy,  # noqa: SLF001
+                   30, "the reader's watch created again")
+        assert reader.get("a") == b"backed up"  # not "lost 4"
+        assert reader.get("b", default=None) is None
+        assert reader.watch_revision == backed_up
+        assert reader._cache.rewinds == 1  # noqa: SLF001
+        assert sample(reader, "cachedstore_watch_restarts_total", {"reason": "rewound"}) == 1
+        # The new history is followed: a write of another store is seen by the watch.
+        writer.set("a", "after the restore")
+        wait_until(lambda: reader.get("a") == b"after the restore", 10,
+                   "the reader following the new history")
+
+
+def test_a_write_answered_at_an_older_revision_starts_the_cache_over(
+        etcd_factory: Callable[..., LocalEtcd], prefix: str, tmp_path: Path) -> None:
+    """The store's own write is answered at a revision older than the one it knew when it
+    sent it: the cache starts over, and the write is not recorded at a number of the
+    lost history (it is read again from etcd)."""
+    server = etcd_factory()
+    with _store(server, prefix) as store:
+        store.set("a", "backed up")
+        save_backup(server, tmp_path / "backup.db")
+        for i in range(5):
+            store.set("a", f"lost {i}")
+        store.set("b", "lost")
+        restore_backup(server, tmp_path / "backup.db", tmp_path)
+        store.set("c", "written after the restore")  # the first request after it
+        wait_until(lambda: store.watch_healthy, 30, "the watch up")
+        assert store._cache.rewinds == 1  # noqa: SLF001
+        assert store.get("c") == b"written after the restore"
+        assert store.get("a") == b"backed up"
+        assert store.get("b", default=None) is None
