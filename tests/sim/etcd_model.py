@@ -667,6 +667,35 @@ class EtcdModel:
             self._header(response.header)
             return response
 
+    def rewind(self, revision: int) -> None:
+        """Not a request: etcd restored from a backup taken at ``revision`` without
+        ``--bump-revision`` (or a member that lost acknowledged writes, etcd#14370, or
+        diverged, etcd#13766): every change after it is gone, and the next write takes
+        ``revision + 1`` again. The backup is newer than the compaction (what was
+        compacted cannot come back). Every watch stream ends (etcd restarted: the harness
+        breaks the calls); leases are left as they are (the simulation grants none)."""
+        with self._lock:
+            if not self._compact_rev <= revision < self._rev or revision < 1:
+                raise ValueError(f"cannot rewind to {revision}: revision {self._rev}, "
+                                 f"compacted at {self._compact_rev}")
+            if self._leases:
+                raise ValueError("the model does not rewind leases")
+            for key in list(self._keys):
+                revs, kvs = self._index[key]
+                i = bisect.bisect_right(revs, revision)
+                del revs[i:]
+                del kvs[i:]
+                if not revs:
+                    del self._index[key]
+                    self._keys.remove(key)
+            for lost in [r for r in self._events if r > revision]:
+                del self._events[lost]
+            self._history = [c for c in self._history if c[0] <= revision]
+            self._rev = revision
+            self._raft_index += 1
+            for stream in list(self._streams):
+                stream.close()
+
     # -- maintenance, auth ---------------------------------------------------------------
     def status(self, request: Any) -> Any:
         with self._lock:

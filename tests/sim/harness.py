@@ -647,6 +647,24 @@ class Sim:
         self.settle()
         return True
 
+    def rewind(self, revision: int) -> None:
+        """etcd restored from a backup at ``revision`` without ``--bump-revision``
+        (:meth:`EtcdModel.rewind`). A restore restarts etcd: first every store's watch
+        stream breaks and every watch thread sees it (held ones are let go: etcd is down
+        for longer than a thread is descheduled), then etcd comes back at ``revision``.
+        Answers the scheduler holds stay held: released later, they are answers of the
+        history that was lost, arriving late."""
+        for store in self.stores:
+            self.break_stream(store)
+            while self.release_watcher(store):
+                pass
+            store.hold_watcher = False
+        self.settle()
+        with self.model_lock:
+            self.model.rewind(revision)
+        for store in self.stores:  # a stream made meanwhile ends with the restart too
+            self.break_stream(store)
+
     def hold_watcher(self, store: SimStore) -> None:
         store.hold_watcher = True
 

@@ -5,7 +5,8 @@ A hypothesis ``RuleBasedStateMachine`` drives 3 unchanged stores (``watch_scope`
 through the scheduler of ``harness.py``: it decides when each watch delivers (one revision,
 a batch, late), when a stream breaks or is compacted away, when a request's answer comes
 back after etcd applied it (or is lost), when time moves (stall watchdog, back-off, quiet
-scope refreshes), and when another client writes. Every operation is recorded; the
+scope refreshes), when another client writes, and when etcd's history goes back (a
+restore without ``--bump-revision``: ``EtcdModel.rewind``). Every operation is recorded; the
 history is checked (``history.py``) after every step and, after quiescence, for
 convergence, counters, queues and blocked reads.
 
@@ -19,6 +20,7 @@ history whatever ``PYTHONHASHSEED`` is; ``test_same_steps_same_history``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import itertools
 import os
@@ -41,7 +43,7 @@ from cachedstore.queues import item_prefix
 
 from .etcd_model import EtcdModel
 from .harness import HarnessError, Op, Sim, SimStore
-from .history import Record, check_history
+from .history import UNKNOWN, Record, check_history
 from .mutants import MUTANTS
 
 EXAMPLES = int(os.environ.get("SIM_EXAMPLES", "150"))
@@ -64,6 +66,11 @@ CONFIGS = [
     (("touched", 2), ("prefix", 3), ("touched", 4)),
     (("prefix", 4), ("touched", 2), ("prefix", 2)),
 ]
+
+#: Operations whose effect on etcd survives a rewind if etcd applied them at a revision
+#: it kept (``StoreMachine.judged``).
+SURVIVING_WRITES = frozenset({"set", "delete", "compare_set", "add", "queue_push",
+                              "queue_pop"})
 
 stores = st.integers(0, 2)
 #: Half the time one of two hot names, so that hazards of one key meet within a machine.
@@ -89,6 +96,11 @@ class StoreMachine(RuleBasedStateMachine):
         self.inflight: list[Op] = []
         self.seen: dict[str, bytes] = {}
         self.ok = True
+        #: After :meth:`rewind`: the revision etcd's history went back to, and the
+        #: operations recorded before it (judged against the history that was lost).
+        self.rewound_to: int | None = None
+        self.before_rewind: list[Record] = []
+        self.returned_before: set[int] = set()
 
     # -- plumbing ---------------------------------------------------------------------
     @property
@@ -532,6 +544,94 @@ class StoreMachine(RuleBasedStateMachine):
             with self.s.model_lock:
                 model.compact(etcdrpc.CompactionRequest(revision=model.revision))
 
+    @precondition(lambda self: self.sim is not None and self.rewound_to is None
+                  and self.s.model.revision > max(1, self.s.model.compact_revision))
+    @rule(data=st.data())
+    def rewind(self, data: st.DataObject) -> None:
+        """etcd's history goes back: restored from a backup without ``--bump-revision``
+        (rule 10 of cache.py). What was written after the backup is gone and its revisions
+        are handed out again. From now on the operations are judged against the new
+        history, with the writes of before that survived it (:meth:`judged`)."""
+        model = self.s.model
+        to = data.draw(st.integers(max(1, model.compact_revision), model.revision - 1),
+                       label="rewind to")
+        self._rewind(to)
+
+    def _rewind(self, to: int) -> None:
+        self.collect()
+        self.before_rewind, self.records = self.records, []
+        self.returned_before = {id(r) for r in self.before_rewind if r.returned is not None}
+        self.rewound_to = to
+        self.s.rewind(to)
+
+    @precondition(lambda self: self.sim is not None and self.rewound_to is None)
+    @rule(store=stores, reader=stores, name=st.sampled_from(["a", "b"]),
+          own=st.booleans(), late=st.booleans())
+    def rewind_under_a_cached_key(self, store: int, reader: int, name: str, own: bool,
+                                  late: bool) -> None:
+        """etcd's history goes back under a key that stores hold (rule 10 of cache.py):
+        ``name`` is read, then written (by ``store``, or by another client), every watch
+        delivers it, ``reader`` reads it, and etcd goes back to before the write. With
+        ``late``, ``store``'s read-through of it is answered before the rewind and handed
+        over after it (its revision is a number of the lost history). Then both stores
+        read it again."""
+        self.get(store, name, False)
+        self.get(reader, name, False)  # both cache it (touched scopes: both watch it)
+        backup = self.s.model.revision
+        if own:
+            self.set(store, name, False)
+        else:
+            self.raw_put(name)
+        for index in range(len(self.s.stores)):
+            self.deliver_all(index)
+        self.get(reader, name, False)
+        op = None
+        if late:
+            self.evict(store)
+            etcd = self.s.stores[store].etcd
+            op = self.run(store, "get", [name], lambda: etcd.get(name, None), hold=True)
+        to = max(backup, 1, self.s.model.compact_revision)
+        if self.s.model.revision <= to:  # the write failed: nothing to lose
+            while op is not None and op.held:
+                self.s.release(op)
+            self.collect()
+            return
+        self._rewind(to)
+        for index in range(len(self.s.stores)):  # back-off, the create, the resync...
+            for _ in range(3):
+                self.advance(index, 2.5)
+                self.deliver_all(index)
+        while op is not None and op.held:
+            self.s.release(op)
+        self.collect()
+        self.get(reader, name, False)
+        self.get(store, name, False)
+
+    def judged(self) -> list[Record]:
+        """The operations the history checker judges against etcd's history as it is:
+        all of them; after a rewind, those invoked since, and the writes of before it.
+        A write of before survived if it returned before the rewind, when etcd's revision
+        was one the rewind kept; one that may have been applied later (it returned after
+        a newer revision, or after the rewind, or not yet; an unknown outcome) is judged
+        as of unknown outcome: it may or may
+        not be in etcd's history. Reads of before are not judged again: they were judged
+        against the history they read, which etcd lost."""
+        to = self.rewound_to
+        if to is None:
+            return self.records
+        kept = []
+        for r in self.before_rewind:
+            if r.op not in SURVIVING_WRITES or (r.error is not None
+                                                and r.error not in UNKNOWN):
+                continue  # not a write, or one etcd refused
+            if r.error is None and id(r) in self.returned_before \
+                    and r.ret_rev is not None and r.ret_rev <= to:
+                kept.append(r)
+            else:
+                kept.append(dataclasses.replace(r, error="EtcdConnectionError",
+                                                result=None))
+        return kept + self.records
+
     @precondition(lambda self: self.sim is not None)
     @rule(store=stores, seconds=st.sampled_from([0.3, 2.5, 2.5, 9.0]))
     def advance(self, store: int, seconds: float) -> None:
@@ -561,7 +661,7 @@ class StoreMachine(RuleBasedStateMachine):
             return
         self.collect()
         self.ok = False
-        violations = check_history(self.records, self.s.model.history(),
+        violations = check_history(self.judged(), self.s.model.history(),
                                    counters=COUNTERS, deleted_counters=DELETED)
         assert not violations, "\n".join(violations)
         self.ok = True
@@ -571,7 +671,7 @@ class StoreMachine(RuleBasedStateMachine):
         if sim is None:
             return
         text = repr([(r.store, r.op, r.names, r.result, r.error, r.invoked, r.returned,
-                      r.bounds, r.ret_rev) for r in self.records])
+                      r.bounds, r.ret_rev) for r in [*self.before_rewind, *self.records]])
         type(self).digests.append(hashlib.sha1(text.encode()).hexdigest())
         try:
             if self.ok:
@@ -598,7 +698,7 @@ class StoreMachine(RuleBasedStateMachine):
             op = sim.start(sim.stores[0], "final-add", lambda n=name: etcd.add(n, 0))
             assert op.done and op.error is None, op.error
             final[name] = op.result
-        violations = check_history(self.records, sim.model.history(), counters=COUNTERS,
+        violations = check_history(self.judged(), sim.model.history(), counters=COUNTERS,
                                    final_counters=final, quiescent=True,
                                    deleted_counters=DELETED)
         if violations and self.inflight:
