@@ -63,9 +63,12 @@ Rules, all enforced here under one lock:
    (etcd#13766), a restore from a backup without ``--bump-revision``. Then every scope,
    entry, mark and record is forgotten, a new root scope opens (``on_rewind`` has the
    watcher read it and restart its stream), every waiter re-checks, and no result of an
-   operation begun before is ever installed: its revision numbers belong to the lost
-   history. Each ticket carries ``K`` as of :meth:`begin`; the watcher checks a stream
-   created behind what the core knows with one linearizable read (:meth:`answered`).
+   operation begun before with a ticket is ever installed: its revision numbers belong
+   to the lost history. Each ticket carries ``K`` as of :meth:`begin`; snapshot reads and
+   the watcher's check of a stream created behind what the core knew (one linearizable
+   read) take one from :attr:`known_revision` and report with :meth:`answered`. Found
+   only if etcd answers below ``K``: once its new history has passed ``K``, revisions
+   alone cannot tell.
 
 This class is a little over 300 lines: the rules above share one lock and one state, and
 splitting them would spread one invariant over several objects.
@@ -328,6 +331,10 @@ class CoherentCache:
         results that end meanwhile are held for :meth:`open_scope`. Returns the scope
         already registered under ``key`` (opening or open) if there is one."""
         with self._lock:
+            if self._root is not None:  # a rewind made a root meanwhile (rule 10): it
+                stray = Scope(key, start, end)  # covers every name; this one is never
+                stray.removed = True  # opened, watched or consulted
+                return stray
             scope = self._scopes.get(key)
             if scope is None:
                 scope = self._scopes[key] = self._opening_scope(key, start, end)

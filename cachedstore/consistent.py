@@ -97,9 +97,9 @@ class SharedRevision:
         finally:
             with self._cond:
                 self._in_flight = False
-                if revision:
+                if revision:  # rounds run one at a time: this is the newest one
                     self._finished = max(self._finished, mine)
-                    self._revision = max(self._revision, revision)
+                    self._revision = revision  # not a maximum: etcd's history may go back
                 self._cond.notify_all()
         return revision
 
@@ -131,6 +131,13 @@ class Progress:
         """A progress response at ``revision`` was handled (after everything before it)."""
         with self._cond:
             self.revision = max(self.revision, revision)
+            self._cond.notify_all()
+
+    def rewound(self) -> None:
+        """etcd's history went back (rule 10 of cache.py): the progress seen so far
+        counts revisions that etcd no longer has."""
+        with self._cond:
+            self.revision = 0
             self._cond.notify_all()
 
     def wait(self, done: Callable[[], Any], until: float) -> Any:

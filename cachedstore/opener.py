@@ -65,6 +65,9 @@ class ScopeOpener:
         self._metrics = metrics
         self._max_txn_ops = config.max_txn_ops
         self._lock = threading.Lock()
+        #: The thread holding ``_lock`` (0: none): a rewind found by its own opening read
+        #: is settled by it, not waited for (:meth:`rewound`).
+        self._owner = 0
         self._open: set[str] = set()
         #: Key scopes opened per directory (a directory scope is opened from COARSEN_AT on).
         self._keyed: dict[str, int] = {}
@@ -110,11 +113,18 @@ class ScopeOpener:
                                               deadline)[0]
             return answered
         finally:
-            self._lock.release()
+            self._release()
 
     def _acquire(self, deadline: float) -> bool:
         """Take the lock, waiting until ``deadline`` (clock time) at most."""
-        return self._lock.acquire(timeout=max(0.0, deadline - self._clock.monotonic()))
+        if not self._lock.acquire(timeout=max(0.0, deadline - self._clock.monotonic())):
+            return False
+        self._owner = threading.get_ident()
+        return True
+
+    def _release(self) -> None:
+        self._owner = 0
+        self._lock.release()
 
     def ensure_directory(self, directory: str, call_deadline: Callable[[], float],
                          names: Iterable[str] = ()) -> tuple[Scope, int, int] | None:
@@ -144,7 +154,7 @@ class ScopeOpener:
                 return None
             return self._open_scopes(plan, call_deadline())[1]
         finally:
-            self._lock.release()
+            self._release()
 
     def covers_directory(self, directory: str) -> bool:
         """Whether an open directory scope (or the root), not one still opening, covers
@@ -176,6 +186,7 @@ class ScopeOpener:
         was complete."""
         cache = self._cache
         scopes = [cache.begin_scope(key, *self._ranges.of(key)) for key in plan]
+        sent = cache.known_revision  # rule 10: the snapshot's revision is checked
         try:
             revision, found = read_scopes(self._conn, self._keys, scopes, self._limit,
                                           deadline)
@@ -187,6 +198,8 @@ class ScopeOpener:
             raise
         answered: set[str] = set()
         last: tuple[Scope, int, int] | None = None
+        if cache.answered(sent, revision):  # etcd's history went back: all scopes gone
+            return set(), None
         for scope, (key, asked), entries in zip(scopes, plan.items(), found, strict=True):
             cache.open_scope(scope, revision, entries,
                              absent=asked if entries is not None else ())
@@ -197,7 +210,8 @@ class ScopeOpener:
             if entries is not None:
                 answered.update(asked)
             last = (scope, revision, len(entries)) if entries is not None else None
-            self.watch(scope)
+            if not scope.removed:
+                self.watch(scope)
         self._count(len(self._open))
         return answered, last
 
@@ -214,11 +228,18 @@ class ScopeOpener:
     def rewound(self) -> None:
         """etcd's history went back and the cache started over with a root scope (rule
         10 of cache.py): this store watches its whole prefix from now on, and every
-        scope it opened is gone. Blocks while another opening reads etcd."""
+        scope it opened is gone. Blocks while another thread's opening reads etcd; on
+        the thread whose opening read found it, returns at once."""
+        if self._owner == threading.get_ident():  # found by this thread's own opening
+            self._forget_scopes()
+            return
         with self._lock:
-            self._open.clear()
-            self._keyed.clear()
-            self._count(1)
+            self._forget_scopes()
+
+    def _forget_scopes(self) -> None:
+        self._open.clear()
+        self._keyed.clear()
+        self._count(1)
 
     def _count(self, n: int) -> None:
         self._metrics.watch_scopes.inc(n - self._counted)

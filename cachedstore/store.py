@@ -283,11 +283,12 @@ class EtcdStore:
         self._cache.on_waiter = self._watcher.hurry
         self._reads.progress.request = self._watcher.request_progress
         self._opener.fall_back = self._watcher.rescope
-        watcher, opener = self._watcher, self._opener
+        watcher, opener, progress = self._watcher, self._opener, self._reads.progress
 
         def went_back(root: Scope, known: int, revision: int) -> None:
             # Rule 10 of cache.py: the cache started over with ``root``; the watch reads
             # it and watches the whole prefix from now on.
+            progress.rewound()
             opener.rewound()
             watcher.rewound(root, known, revision)
 

@@ -301,6 +301,7 @@ class Watcher:
             elif scope.key is not None and not scope.end:  # one key (etcd: no range end)
                 keys.append(scope)
             else:
+                sent = self._cache.known_revision
                 if scope.key is None:  # the root: the whole prefix
                     revision, entries = snapshot(self._conn, self._keyspace,
                                                  self._config.snapshot_limit,
@@ -309,18 +310,26 @@ class Watcher:
                     revision, entries = read_scope(self._conn, self._keyspace, scope,
                                                    self._config.snapshot_limit,
                                                    self._conn.deadline())
-                self._reset(revision, [(scope, entries)])
+                self._reset(sent, revision, [(scope, entries)])
         step = max(1, self._config.max_txn_ops)
         for first in range(0, len(keys), step):
             batch = [s for s in keys[first:first + step] if not s.removed]
             if batch:
+                sent = self._cache.known_revision
                 revision, found = read_scopes(self._conn, self._keyspace, batch,
                                               self._config.snapshot_limit,
                                               self._conn.deadline())
-                self._reset(revision, list(zip(batch, found, strict=True)))
+                self._reset(sent, revision, list(zip(batch, found, strict=True)))
 
-    def _reset(self, revision: int, read: list[tuple[Scope, Entries | None]]) -> None:
-        """Reset the scopes just read at ``revision`` and forget they needed it."""
+    def _reset(self, sent: Ticket, revision: int, read: list[tuple[Scope, Entries | None]]
+               ) -> None:
+        """Reset the scopes just read at ``revision`` and forget they needed it; unless
+        that answer shows etcd's history went back since ``sent`` (rule 10 of cache.py:
+        the cache started over, and the root it opened is read next)."""
+        if self._cache.answered(sent, revision):
+            for scope, _ in read:
+                self._needs_resync.discard(scope)
+            return
         for scope, entries in read:
             self._cache.reset(revision, entries, scope)
             self._needs_resync.discard(scope)
@@ -454,10 +463,9 @@ class Watcher:
             return self._canceled(response, scope)
         if response.created:
             self._stream_was_healthy = True
-            if self._went_back(response.header.revision,
-                               stream.known_when_sent(response.watch_id)):
+            if self._went_back(response, stream):
                 return "rewound"
-            self._set_up(response.header.revision, None if scope is self._anchor else scope)
+            self._set_up(response.header.revision, scope)
             self._metrics.watch_revision.set(max(self._revision, response.header.revision))
         elif not response.events:  # a progress response: liveness only, never ordering
             self._progressed(response.header.revision, stream)
@@ -476,19 +484,28 @@ class Watcher:
         with self._scopes_lock:
             return stream.created(response.watch_id)
 
-    def _went_back(self, created_at: int, sent: Ticket) -> bool:
+    def _went_back(self, response: Any, stream: WatchStream) -> bool:
         """Rule 10 of cache.py for a store that reads only what it caches (it sends etcd
-        nothing else that would show it): a watch created at ``created_at`` (its answer's
-        header) behind what the cache knew etcd had committed when the create was sent
-        (``sent``) is checked with one linearizable read. A member that merely lags (a
-        follower after a failover) answers it at a revision at least that new; an older
-        one means etcd's history went back, and the cache starts over (True). Raises
-        cachedstore errors when etcd cannot be read."""
-        if created_at >= sent[1]:
+        nothing else that would show it): a watch created (``header``: its answer's)
+        behind what the cache knew etcd had committed when the create was sent is
+        checked with one linearizable read (``response``: the create's answer). A member that merely lags (a follower after a
+        failover) answers it at a revision at least that new; an older one means etcd's
+        history went back, and the cache starts over (True). Once a check found etcd at
+        revision V, creates sent knowing no more than V on that stream are not checked
+        again. grpc-proxy answers a create that joins a watch it has with a header of its
+        own making (the create's start revision, no cluster id): it tells nothing, and is
+        not checked. Raises cachedstore errors when etcd cannot be read."""
+        header = response.header
+        sent = stream.known_when_sent(response.watch_id)
+        if header.revision >= sent[1] or sent[1] <= stream.confirmed \
+                or not header.cluster_id:
             return False
         ticket = self._cache.known_revision  # taken before the read is sent
-        return self._cache.answered(ticket, current_revision(
-            self._conn, self._keyspace, self._conn.deadline()))
+        revision = current_revision(self._conn, self._keyspace, self._conn.deadline())
+        if self._cache.answered(ticket, revision):
+            return True
+        stream.confirmed = max(stream.confirmed, revision)
+        return False
 
     def _canceled(self, response: Any, scope: Scope | None) -> str:
         """etcd canceled the watch of ``scope`` (None: not known): the restart reason.
@@ -542,12 +559,15 @@ class Watcher:
         if not due:
             return
         due = due[:max(1, self._config.max_txn_ops)]
+        sent = self._cache.known_revision
         try:
             revision, found = read_scopes(self._conn, self._keyspace, due,
                                           self._config.snapshot_limit,
                                           self._conn.deadline())
         except CachedStoreError as exc:
             log.debug("cachedstore watch: re-reading quiet scopes failed: %s", exc)
+            return
+        if self._cache.answered(sent, revision):  # rule 10: the cache started over
             return
         for scope, entries in zip(due, found, strict=True):
             self._cache.reset(revision, entries, scope)

@@ -76,7 +76,7 @@ class WatchStream:
 
     __slots__ = ("on_stream", "to_send", "awaiting", "by_id", "next_id", "kick",
                  "progress_wanted", "heard", "progress_answered", "send", "in_flight",
-                 "anchor", "known", "known_at")
+                 "anchor", "known", "known_at", "confirmed")
 
     def __init__(self, scopes: list[Scope], anchor: Scope | None = None,
                  known: Callable[[], Ticket] | None = None) -> None:
@@ -111,6 +111,8 @@ class WatchStream:
         #: history went back (rule 10 of cache.py): taken as each create is sent.
         self.known = known
         self.known_at: dict[int, Ticket] = {}
+        #: The newest revision a linearizable check on this stream found etcd at.
+        self.confirmed = 0
 
     def create_request(self, scope: Scope) -> Any:
         """The create of ``scope``'s watch: from what the scope applied, or from etcd's

@@ -285,3 +285,25 @@ def test_the_watchers_check_of_a_member_behind_the_cache():
     # A ticket from before the rewind proves nothing more: it knew the lost numbers.
     assert not cache.answered(ticket, 9)
     assert cache.rewinds == 1
+
+
+def test_a_scope_begun_as_the_history_goes_back_is_never_opened_nor_served():
+    """A store watching what it touched: a reader begins a scope's opening, the rewind
+    lands before the cache registers it, and the root the rewind made covers every name;
+    the late scope is a stray that nothing opens, watches or consults."""
+    from cachedstore.metrics import NullMetrics
+
+    cache = CoherentCache(10, NullMetrics(), scope_key=lambda name: "k" + name,
+                          root=(b"/p/", b"/p0"))
+    told: list[object] = []
+    cache.on_rewind = lambda root, known, revision: told.append(root)
+    scope = cache.begin_scope("ka", b"/p/a", b"")
+    cache.open_scope(scope, 12, [("a", b"lost", 12)])
+    cache.watch_up(12, scope)
+    assert cache.lookup("a") == (b"lost", 12, 12)
+    assert cache.answered(cache.known_revision, 9)  # the next answer: etcd went back
+    late = cache.begin_scope("kb", b"/p/b", b"")
+    assert late.removed and cache.scope_of("b") is told[0]
+    cache.open_scope(late, 9, [("b", b"v", 9)])
+    assert cache.peek("b") is None and cache.peek("a") is None
+    assert not cache.scoped and cache.floor == NOT_SERVING
