@@ -330,6 +330,12 @@ class SimStore:
         #: which reads must be no older (the store's floor is what a mutant changes).
         self.created_call: SimWatchCall | None = None
         self.created_revision = 0
+        #: After :meth:`Sim.rewind`: the newest revision the store knew etcd had
+        #: committed then, its count of rewinds found then, and the revision of the first
+        #: watch creation delivered to it since (None: none yet). See Sim.could_find.
+        self.rewind_known: int | None = None
+        self.rewinds_before = 0
+        self.rewind_created: int | None = None
 
     @property
     def etcd(self) -> EtcdStore:
@@ -633,6 +639,8 @@ class Sim:
         if response.created and not response.canceled and store.created_call is not call:
             store.created_call = call
             store.created_revision = int(response.header.revision)
+            if store.rewind_known is not None and store.rewind_created is None:
+                store.rewind_created = store.created_revision
         call.hand(response)
         self.settle()
         return True
@@ -660,10 +668,27 @@ class Sim:
                 pass
             store.hold_watcher = False
         self.settle()
+        for store in self.stores:
+            cache = store.etcd._cache  # noqa: SLF001
+            store.rewind_known = cache._known  # noqa: SLF001
+            store.rewinds_before = cache.rewinds
+            store.rewind_created = None
         with self.model_lock:
             self.model.rewind(revision)
         for store in self.stores:  # a stream made meanwhile ends with the restart too
             self.break_stream(store)
+
+    def could_find(self, store: SimStore) -> bool:
+        """Whether ``store`` could have found, by revisions alone, that etcd's history
+        went back (rule 10 of cache.py; guarantees.md 16): it did, or its watch was
+        created again while etcd's new history was still below the newest revision the
+        store knew of. Once etcd's new history has passed that before the store hears
+        from it, nothing in etcd's answers tells it (not promised)."""
+        if store.rewind_known is None:
+            return True
+        if store.etcd._cache.rewinds > store.rewinds_before:  # noqa: SLF001
+            return True
+        return store.rewind_created is not None and store.rewind_created < store.rewind_known
 
     def hold_watcher(self, store: SimStore) -> None:
         store.hold_watcher = True
@@ -747,6 +772,14 @@ class Sim:
                 self.advance(store, 10.0)
             if not op.done or self._held(store):
                 raise HarnessError(f"{store} did not close: {self.dump()}")
+        for _ in range(10):
+            # An operation a failed step left in a retry's back-off (on its store's clock)
+            # ends once that clock moves: the store is closed, so it raises.
+            if not [t for t in self._managed() if t.name.startswith("sim-op-")]:
+                break
+            for store in self.stores:
+                self._release_held(store)
+                self.advance(store, 10.0)
         for store in self.stores:
             connection.STUB_FACTORIES.pop(store.target, None)
         self.settle()
