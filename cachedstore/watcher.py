@@ -255,10 +255,13 @@ class Watcher:
             self._stream_was_healthy = False
             # A fall-back (rescope) from now on cancels the stream built below, however
             # early it lands: the flag is only cleared here, before the resync it asks.
-            self._rescope = self._rewinding = False
+            self._rescope = False
             try:
                 if self._needs_resync:
+                    rewinding = self._rewinding
                     self._resync()
+                    if rewinding and not self._rescope:  # its root is read: told by now
+                        self._rewinding = False
                 reason = self._stream_once()
             except StoreClosedError:
                 break
@@ -402,7 +405,8 @@ class Watcher:
         if self._stopping.is_set():
             return "closed"
         if self._rescope:
-            return "rewound" if self._rewinding else "rescoped"
+            rewound, self._rewinding = self._rewinding, False  # told once, not lost to the
+            return "rewound" if rewound else "rescoped"  # loop's clearing of _rescope
         if side.stalled.is_set():
             self._conn.failover(index)
             return "stalled"
@@ -464,6 +468,7 @@ class Watcher:
         if response.created:
             self._stream_was_healthy = True
             if self._went_back(response, stream):
+                self._rewinding = False  # this stream's own reason
                 return "rewound"
             self._set_up(response.header.revision, scope)
             self._metrics.watch_revision.set(max(self._revision, response.header.revision))

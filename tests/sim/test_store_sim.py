@@ -43,7 +43,7 @@ from cachedstore.queues import item_prefix
 
 from .etcd_model import EtcdModel
 from .harness import HarnessError, Op, Sim, SimStore
-from .history import UNKNOWN, Record, check_history
+from .history import BLOCKING, UNKNOWN, Record, check_history
 from .mutants import MUTANTS
 
 EXAMPLES = int(os.environ.get("SIM_EXAMPLES", "150"))
@@ -642,8 +642,12 @@ class StoreMachine(RuleBasedStateMachine):
             else:
                 kept.append(dataclasses.replace(r, error="EtcdConnectionError",
                                                 result=None))
-        return kept + [r for r in self.records
-                       if r.store not in blind or r.op not in CACHE_READS]
+        # A blocking read begun before the rewind and still waiting must still be woken
+        # (the convergence check's "waiting only for a name etcd does not hold").
+        waiting = [r for r in self.before_rewind if r.op in BLOCKING and r.returned is None
+                   and r.store not in blind]
+        return kept + waiting + [r for r in self.records
+                                 if r.store not in blind or r.op not in CACHE_READS]
 
     @precondition(lambda self: self.sim is not None)
     @rule(store=stores, seconds=st.sampled_from([0.3, 2.5, 2.5, 9.0]))
