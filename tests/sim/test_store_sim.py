@@ -621,9 +621,10 @@ class StoreMachine(RuleBasedStateMachine):
         A write of before survived if it returned before the rewind, when etcd's revision
         was one the rewind kept; one that may have been applied later (it returned after
         a newer revision, or after the rewind, or not yet; an unknown outcome) is judged
-        as of unknown outcome: it may or may
-        not be in etcd's history. Reads of before are not judged again: they were judged
-        against the history they read, which etcd lost."""
+        as of unknown outcome: it may or may not be in etcd's history. Reads of before are
+        not judged again (they were judged against the history they read, which etcd
+        lost), but a blocking one still waiting must be woken. A store that could not find
+        the rewind (``Sim.could_find``) is not judged on what its cache answers."""
         to = self.rewound_to
         if to is None:
             return self.records
