@@ -365,17 +365,25 @@ class CoherentCache:
         is dropped, and one root scope, opening, covers every name from now on. Open it
         with :meth:`open_scope` once its snapshot is read."""
         with self._lock:
-            for scope in self._all_scopes():  # the root too, after a rewind (rule 10)
-                scope.removed = True
-            self._scopes.clear()
-            self._metrics.entries.dec(len(self._lru))
-            self._lru.clear()
-            self._dirty.clear()
-            self._marks.clear()
-            root = self._root = self._opening_scope(None, start, end)
+            root = self._new_root(start, end)
             waiters = self._all_waiters()
         for waiter in waiters:
             waiter.nudge()
+        return root
+
+    def _new_root(self, start: bytes, end: bytes) -> Scope:
+        """Drop every scope (the root too: their late events and snapshots are ignored),
+        entry, mark and record of an update in flight, and put one root scope covering
+        ``[start, end)``, opening, in their place (under the lock): a fall-back to the
+        whole prefix, or a start over after etcd's history went back (rule 10)."""
+        for scope in self._all_scopes():
+            scope.removed = True
+        self._scopes.clear()
+        self._metrics.entries.dec(len(self._lru))
+        self._lru.clear()
+        self._dirty.clear()
+        self._marks.clear()
+        root = self._root = self._opening_scope(None, start, end)
         return root
 
     def open_scope(self, scope: Scope, revision: int,
@@ -786,18 +794,11 @@ class CoherentCache:
             if revision > self._known and epoch >= self._rewound:
                 self._known = revision
             return None
-        for scope in self._all_scopes():
-            scope.removed = True  # their late events and snapshots are ignored
-        self._scopes.clear()
-        self._metrics.entries.dec(len(self._lru))
-        self._lru.clear()
-        self._dirty.clear()
-        self._marks.clear()
+        root = self._new_root(*self._root_range)
         self._epoch += 1
         self._rewound = self._epoch
         self._known = revision
         self.rewinds += 1
-        root = self._root = self._opening_scope(None, *self._root_range)
         # Nothing is served until the watcher has read the new root and watches it.
         root.awaiting_create = True
         self._refloor()

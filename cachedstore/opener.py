@@ -196,10 +196,10 @@ class ScopeOpener:
             for scope in scopes:
                 cache.abort_scope(scope)
             raise
-        answered: set[str] = set()
-        last: tuple[Scope, int, int] | None = None
         if cache.answered(sent, revision):  # etcd's history went back: all scopes gone
             return set(), None
+        answered: set[str] = set()
+        last: tuple[Scope, int, int] | None = None
         for scope, (key, asked), entries in zip(scopes, plan.items(), found, strict=True):
             cache.open_scope(scope, revision, entries,
                              absent=asked if entries is not None else ())
@@ -220,9 +220,7 @@ class ScopeOpener:
         log.warning("cachedstore: this store touched more than max_watches=%d scopes; it "
                     "watches its whole prefix from now on", self._max_watches)
         root = self._cache.collapse(*self._ranges.root())
-        self._open.clear()
-        self._keyed.clear()
-        self._count(1)
+        self._forget_scopes()
         self.fall_back(root)
 
     def rewound(self) -> None:
@@ -237,6 +235,7 @@ class ScopeOpener:
             self._forget_scopes()
 
     def _forget_scopes(self) -> None:
+        """The cache fell back to its root, or started over (under the lock)."""
         self._open.clear()
         self._keyed.clear()
         self._count(1)

@@ -491,9 +491,9 @@ class Watcher:
 
     def _went_back(self, response: Any, stream: WatchStream) -> bool:
         """Rule 10 of cache.py for a store that reads only what it caches (it sends etcd
-        nothing else that would show it): a watch created (``header``: its answer's)
-        behind what the cache knew etcd had committed when the create was sent is
-        checked with one linearizable read (``response``: the create's answer). A member that merely lags (a follower after a
+        nothing else that would show it): a watch created (``response``: the create's
+        answer) behind what the cache knew etcd had committed when the create was sent is
+        checked with one linearizable read. A member that merely lags (a follower after a
         failover) answers it at a revision at least that new; an older one means etcd's
         history went back, and the cache starts over (True). Once a check found etcd at
         revision V, creates sent knowing no more than V on that stream are not checked
