@@ -109,6 +109,8 @@ class ScopeOpener:
             keys = list(plan)
             per_txn = max(1, self._max_txn_ops)
             for i in range(0, len(keys), per_txn):
+                if not cache.scoped:  # a chunk's read found etcd's history went back
+                    break
                 answered |= self._open_scopes({k: plan[k] for k in keys[i:i + per_txn]},
                                               deadline)[0]
             return answered
@@ -196,7 +198,9 @@ class ScopeOpener:
             for scope in scopes:
                 cache.abort_scope(scope)
             raise
-        if cache.answered(sent, revision):  # etcd's history went back: all scopes gone
+        # etcd's history went back (found by this answer, or by another since it was
+        # sent): every scope is gone.
+        if cache.answered(sent, revision) or not cache.scoped:
             return set(), None
         answered: set[str] = set()
         last: tuple[Scope, int, int] | None = None

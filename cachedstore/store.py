@@ -287,12 +287,15 @@ class EtcdStore:
 
         def went_back(root: Scope, known: int, revision: int) -> None:
             # Rule 10 of cache.py: the cache started over with ``root``; the watch reads
-            # it and watches the whole prefix from now on.
+            # it and watches the whole prefix from now on. The watcher first: the opener
+            # may wait for another thread's opening read to end.
+            watcher.rewound(root, known, revision)
             progress.rewound()
             opener.rewound()
-            watcher.rewound(root, known, revision)
 
         self._cache.on_rewind = went_back
+        cache = self._cache
+        self._conn.history = (lambda: cache.known_revision, cache.answered)
         self._watcher.start(revision)
         if self._cache.scoped:  # no read yet: the first one would open the connection
             self._conn.warm(deadline)

@@ -261,7 +261,11 @@ class Watcher:
                     rewinding = self._rewinding
                     self._resync()
                     if rewinding and not self._rescope:  # its root is read: told by now
+                        # Still set: no stream was cancelled for it (it was found between
+                        # streams, or a resync failed after), so no restart counted it.
                         self._rewinding = False
+                        self.restarts += 1
+                        self._metrics.restart("rewound")
                 reason = self._stream_once()
             except StoreClosedError:
                 break

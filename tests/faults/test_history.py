@@ -13,12 +13,14 @@ dir), so the history goes back every time, at a known revision.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from cachedstore import EtcdStore
+from cachedstore.clock import SYSTEM_CLOCK
 from cachedstore.server import LocalEtcd
 from tests.util import restore_backup, save_backup
 
@@ -69,22 +71,82 @@ def test_a_store_that_only_reads_its_cache_sees_the_history_go_back(
                    "the reader following the new history")
 
 
+class _BackoffHolder:
+    """The system's clock, but while ``hold`` is set the watch thread's back-off wait (on
+    ``stopping``, the watcher's) blocks until ``release``: the watch stays between streams
+    for as long as a test needs."""
+
+    def __init__(self) -> None:
+        self.stopping: threading.Event | None = None
+        self.hold, self.held, self.release = (threading.Event(), threading.Event(),
+                                              threading.Event())
+
+    def monotonic(self) -> float:
+        return SYSTEM_CLOCK.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        SYSTEM_CLOCK.sleep(seconds)
+
+    def wait(self, event: threading.Event, timeout: float | None) -> bool:
+        if event is self.stopping and self.hold.is_set():
+            self.held.set()
+            self.release.wait(60)
+            return event.is_set()
+        return SYSTEM_CLOCK.wait(event, timeout)
+
+
 def test_a_write_answered_at_an_older_revision_starts_the_cache_over(
         etcd_factory: Callable[..., LocalEtcd], prefix: str, tmp_path: Path) -> None:
     """The store's own write is answered at a revision older than the one it knew when it
     sent it: the cache starts over, and the write is not recorded at a number of the
-    lost history (it is read again from etcd)."""
+    lost history (it is read again from etcd). The watch thread is held between streams
+    (the restore broke its stream) until the write found the rewind: the restart reason
+    ``rewound`` is still counted, once (it was lost when no stream was live to cancel)."""
     server = etcd_factory()
-    with _store(server, prefix) as store:
+    clock = _BackoffHolder()
+    with _store(server, prefix, clock=clock) as store:
+        clock.stopping = store._watcher._stopping  # noqa: SLF001
         store.set("a", "backed up")
         save_backup(server, tmp_path / "backup.db")
         for i in range(5):
             store.set("a", f"lost {i}")
         store.set("b", "lost")
+        clock.hold.set()
         restore_backup(server, tmp_path / "backup.db", tmp_path)
+        assert clock.held.wait(30), "the watch never began its back-off"
         store.set("c", "written after the restore")  # the first request after it
+        assert store._cache.rewinds == 1  # noqa: SLF001
+        clock.hold.clear()
+        clock.release.set()
         wait_until(lambda: store.watch_healthy, 30, "the watch up")
         assert store._cache.rewinds == 1  # noqa: SLF001
+        assert sample(store, "cachedstore_watch_restarts_total", {"reason": "rewound"}) == 1
         assert store.get("c") == b"written after the restore"
         assert store.get("a") == b"backed up"
         assert store.get("b", default=None) is None
+
+
+def test_an_opening_that_finds_the_rewind_reads_no_further_chunk(
+        etcd_factory: Callable[..., LocalEtcd], prefix: str) -> None:
+    """A store watching what it touched opens one ``mget``'s scopes in chunks of
+    ``max_txn_ops``; the first chunk's read finds etcd's history went back (made here by
+    the core knowing a revision etcd never had). The scopes are gone and a root covers
+    every name: no further chunk is read, and no scope is counted as open (the gauge
+    stayed at 2 scopes that did not exist, and a read was sent for them)."""
+    server = etcd_factory()
+    with _store(server, prefix, watch_scope="touched", max_txn_ops=2) as store:
+        names = ["a/x", "b/x", "c/x", "d/x"]
+        for name in names:
+            store.set(name, name)
+        reads: list[list[str]] = []
+        store._opener.after_read = reads.append  # noqa: SLF001
+        cache = store._cache  # noqa: SLF001
+        with cache._lock:  # noqa: SLF001
+            cache._known = 10**9  # noqa: SLF001
+        assert store.mget(names) == [name.encode() for name in names]
+        assert cache.rewinds == 1 and not cache.scoped
+        wait_until(lambda: store.watch_healthy, 30, "the watch up on the new root")
+        assert len(reads) == 1, reads
+        assert not store._opener._open  # noqa: SLF001
+        assert sample(store, "cachedstore_watch_scopes") == 1
+
