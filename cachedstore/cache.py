@@ -66,9 +66,10 @@ Rules, all enforced here under one lock:
    operation begun before with a ticket is ever installed: its revision numbers belong
    to the lost history. Each ticket carries ``K`` as of :meth:`begin`; snapshot reads and
    the watcher's check of a stream created behind what the core knew (one linearizable
-   read) take one from :attr:`known_revision` and report with :meth:`answered`. Found
-   only if etcd answers below ``K``: once its new history has passed ``K``, revisions
-   alone cannot tell.
+   read) take one from :attr:`known_revision` and report with :meth:`answered`, and so
+   does the store's connection for every key-value call it sends (no answer goes
+   unchecked). Found only if etcd answers below ``K``: once its new history has passed
+   ``K``, revisions alone cannot tell.
 
 This class is a little over 300 lines: the rules above share one lock and one state, and
 splitting them would spread one invariant over several objects.

@@ -45,6 +45,9 @@ __all__ = ["IDEMPOTENT", "UNSENT_ONLY", "Connection", "Credentials", "parse_endp
 STUB_FACTORIES: dict[str, Callable[[str], Any]] = {}
 #: Methods that change nothing: sent to an unchecked member, their answer's header checks it.
 _READS = frozenset({"range", "status", "lease_time_to_live"})
+#: Calls whose answer's header revision is etcd's at a point after the request was sent
+#: (every range this library sends is linearizable): what rule 10 of cache.py checks.
+_KEY_VALUE = frozenset({"range", "txn", "put", "delete_range"})
 #: etcd's require-leader metadata (what etcd's own clients send on watches). A member that
 #: has lost its leader (cut off from its peers) refuses such a request with "no leader"
 #: (Unavailable) instead of answering from its frozen state, and ends such a watch stream
@@ -253,6 +256,11 @@ class Connection:
         self._unfinished: set[Any] = set()
         #: The ``cluster_id`` of the first member that answered: the store's cluster.
         self._cluster_id: int | None = None
+        #: Rule 10 of cache.py, wired by the store (the cache's ``known_revision`` and
+        #: ``answered``): every key-value call takes a ticket before it is sent, and its
+        #: answer's revision is checked against it, so no answer of etcd's (a queue's
+        #: count, a refused guard, a consistent read's revision) goes unchecked.
+        self.history: tuple[Callable[[], Any], Callable[[Any, int], object]] | None = None
         # gRPC takes the minimum reconnect back-off as the time one connection attempt
         # (TCP, TLS and HTTP/2 handshakes) may take: 100 ms failed every TLS handshake over
         # a link slower than ~25 ms one-way. An attempt may take up to connect_timeout
@@ -521,6 +529,8 @@ class Connection:
         """
         policy = Retry(method, deadline, retry, len(self._endpoints), self._config.backoff,
                        reauthenticate=authenticated and self.has_credentials)
+        history = self.history if method in _KEY_VALUE else None
+        ticket = history[0]() if history is not None else None
         while True:
             index, ep = self.endpoint()
             if ep.foreign is not None:  # every endpoint left is another cluster's
@@ -556,6 +566,8 @@ class Connection:
             self._metrics.rpc(method, "ok", time.perf_counter() - started)
             mismatch = self._foreign_answer(index, ep, response)
             if mismatch is None:
+                if history is not None:  # linearizable: sent after ticket, answered after
+                    history[1](ticket, response.header.revision)
                 return response
             policy = policy.skip_foreign(mismatch, applied=method not in _READS)
 

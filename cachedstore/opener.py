@@ -199,7 +199,7 @@ class ScopeOpener:
                 cache.abort_scope(scope)
             raise
         # etcd's history went back (found by this answer, or by another since it was
-        # sent): every scope is gone.
+        # sent: the connection checks each answer first): every scope is gone.
         if cache.answered(sent, revision) or not cache.scoped:
             return set(), None
         answered: set[str] = set()

@@ -44,7 +44,7 @@ from typing import Any
 from urllib.parse import quote
 
 from . import etcdapi
-from .cache import CoherentCache, ThreadWaiter
+from .cache import CoherentCache, ThreadWaiter, Ticket
 from .clock import SYSTEM_CLOCK, Clock
 from .config import seconds
 from .connection import UNSENT_ONLY, Connection
@@ -185,12 +185,27 @@ class Queues:
             self._keys.check_size(key, data)
             request = etcdapi.txn([etcdapi.absent(key)],
                                   [etcdapi.op_put(etcdapi.put(key, data))])
-            response = self._conn.call("txn", request, deadline=deadline, retry=UNSENT_ONLY)
+            response, ticket = self._sent([item], request, deadline)
             if response.succeeded:  # else: 64 random bits collided; draw again
                 revision = response.header.revision
                 self._known.pushed(revision)  # before the cache holds it: see is_nonempty
-                self._cache.apply_write(item, data, revision)
+                self._cache.end_write([(item, data)], ticket, revision)
                 return
+            self._cache.abandon([item])
+
+    def _sent(self, names: list[str], request: Any, deadline: float
+              ) -> tuple[Any, Ticket]:
+        """Send the Txn ``request`` that writes the items ``names``, registered with the
+        cache first as every write is: no older result of theirs is installed after it,
+        nor it after etcd's history went back (rule 10 of cache.py). Unregistered if it
+        got no answer; the caller ends or abandons the ticket otherwise."""
+        ticket = self._cache.begin(names)
+        try:
+            return self._conn.call("txn", request, deadline=deadline,
+                                   retry=UNSENT_ONLY), ticket
+        except BaseException:
+            self._cache.abandon(names)
+            raise
 
     def _gate(self, canonical: str) -> _Gate:
         with self._gates_lock:
@@ -217,13 +232,15 @@ class Queues:
                 [etcdapi.op_delete(etcdapi.delete(guess.key)),
                  etcdapi.op_range(_oldest(start, end))],
                 [etcdapi.op_range(_oldest(start, end))])
-            response = conn.call("txn", request, deadline=deadline, retry=UNSENT_ONLY)
+            name = self._keys.name_of(guess.key)
+            names = [] if name is None else [name]
+            response, ticket = self._sent(names, request, deadline)
             if response.succeeded:
-                name = self._keys.name_of(guess.key)
-                if name is not None:
-                    self._cache.apply_write(name, None, response.header.revision)
+                self._cache.end_write([(n, None) for n in names], ticket,
+                                      response.header.revision)
                 after = response.responses[1].response_range.kvs
                 return bytes(guess.value), (after[0] if after else None)
+            self._cache.abandon(names)
             current = response.responses[0].response_range.kvs
             if not current:
                 return None, None  # someone else took the last item

@@ -150,3 +150,120 @@ def test_an_opening_that_finds_the_rewind_reads_no_further_chunk(
         assert not store._opener._open  # noqa: SLF001
         assert sample(store, "cachedstore_watch_scopes") == 1
 
+
+def _knows_a_lost_revision(store: EtcdStore) -> None:
+    """Make the store's core know a revision etcd never had: to the store, etcd's next
+    answer is one of a history that went back (as after a restore)."""
+    cache = store._cache  # noqa: SLF001
+    with cache._lock:  # noqa: SLF001
+        cache._known = 10**9  # noqa: SLF001
+
+
+def _push(store: EtcdStore) -> None:
+    store.queues.push("q", "item")
+
+
+def _pop(store: EtcdStore) -> None:
+    assert store.queues.pop("q", block=False) == b"first"
+
+
+def _failed_guard(store: EtcdStore) -> None:
+    ok, _ = store.versioned.put_many_if({"g": 0}, {"c": "3"})  # "g" exists: refused
+    assert not ok
+
+
+def _failed_put_if(store: EtcdStore) -> None:
+    from cachedstore import etcdapi
+
+    key = store._keys.key("g")  # noqa: SLF001
+    request = etcdapi.txn([etcdapi.absent(key)], [etcdapi.op_put(etcdapi.put(key, b"x"))])
+    writes = store._writes  # noqa: SLF001
+    assert not writes._put_if("g", request, b"x", writes._conn.deadline()).succeeded  # noqa: SLF001
+
+
+def _consistent_read(store: EtcdStore) -> None:
+    assert store.get("g", consistent=True) == b"guard"
+
+
+def _queue_length(store: EtcdStore) -> None:
+    assert store.queues.length("q") == 1
+
+
+def _key_count(store: EtcdStore) -> None:
+    assert store.num_keys() == 1
+
+
+@pytest.mark.parametrize("request_", [_push, _pop, _failed_guard, _failed_put_if,
+                                      _consistent_read, _queue_length, _key_count],
+                         ids=["push", "pop", "failed guard", "failed put_if",
+                              "consistent revision", "queue length", "key count"])
+def test_every_answer_is_checked(etcd_factory: Callable[..., LocalEtcd], prefix: str,
+                                 request_: Callable[[EtcdStore], None]) -> None:
+    """Every key-value answer carries etcd's revision, and each is checked against what
+    the store knew when it was sent (the connection does it for every range, Txn, put
+    and delete): queue pushes, pops and counts, writes whose guard failed, the revision
+    request of a consistent read. (Behind grpc-proxy the store's stream may never break:
+    its own requests are then how it finds out.)"""
+    server = etcd_factory()
+    with _store(server, prefix) as store:
+        store.set("g", "guard")
+        store.queues.push("q", "first")
+        _knows_a_lost_revision(store)
+        request_(store)
+        assert store._cache.rewinds == 1  # noqa: SLF001
+        wait_until(lambda: store.watch_healthy, 30, "the watch up on the new root")
+        assert store.get("g") == b"guard"
+
+
+class _RestoreAfterAnswer:
+    """A store's connection whose first Txn answer is held back while etcd is restored
+    from ``backup`` and the store finds out (by one range: the connection checks it);
+    the answer, of the lost history, then reaches its caller."""
+
+    def __init__(self, store: EtcdStore, server: LocalEtcd, backup: Path, scratch: Path,
+                 clock: _BackoffHolder) -> None:
+        self._real = store.queues._conn  # noqa: SLF001
+        self._store, self._server, self._backup, self._scratch = store, server, backup, scratch
+        self._clock = clock
+        self.done = False
+
+    def call(self, method: str, request: object, **kwargs: object) -> object:
+        response = self._real.call(method, request, **kwargs)
+        if method == "txn" and not self.done:
+            self.done = True
+            self._clock.hold.set()  # the watch thread stays between streams meanwhile
+            restore_backup(self._server, self._backup, self._scratch)
+            assert self._clock.held.wait(30), "the watch never began its back-off"
+            self._store.num_keys()  # answered below what the store knew: a rewind
+            assert self._store._cache.rewinds == 1  # noqa: SLF001
+        return response
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._real, name)
+
+
+def test_a_push_answered_before_the_rewind_is_not_installed_after_it(
+        etcd_factory: Callable[..., LocalEtcd], prefix: str, tmp_path: Path) -> None:
+    """A push etcd answered at a revision of the history it then lost reaches the cache
+    after the store found the rewind: the item is not installed (its ticket predates the
+    rewind). Recorded without a ticket, it waited in the new root's pending results and
+    was installed over the root's snapshot (older than the lost revision): the cache held
+    a queue item the restored etcd does not have."""
+    server = etcd_factory()
+    clock = _BackoffHolder()
+    with _store(server, prefix, clock=clock) as store:
+        clock.stopping = store._watcher._stopping  # noqa: SLF001
+        store.set("a", "backed up")
+        save_backup(server, tmp_path / "backup.db")
+        for i in range(3):
+            store.set("a", f"lost {i}")
+        store.queues._conn = _RestoreAfterAnswer(  # noqa: SLF001
+            store, server, tmp_path / "backup.db", tmp_path, clock)
+        store.queues.push("q", "lost item")
+        clock.hold.clear()
+        clock.release.set()
+        wait_until(lambda: store.watch_healthy, 30, "the watch up on the new root")
+        cache = store._cache  # noqa: SLF001
+        assert [name for name in cache._lru if "q" in name] == []  # noqa: SLF001
+        assert store.get("a") == b"backed up"
+        assert store.queues.length("q") == 0

@@ -159,6 +159,10 @@ class SimLock:
 
 
 # -- the transport ------------------------------------------------------------------------
+#: The calls whose answers rule 10 of cache.py checks (cachedstore.connection's names).
+_KEY_VALUE = frozenset({"range", "txn", "put", "delete_range"})
+
+
 class _Method:
     """One unary RPC of a stub: callable like a grpcio multi-callable, with ``future``."""
 
@@ -336,6 +340,10 @@ class SimStore:
         self.rewind_known: int | None = None
         self.rewinds_before = 0
         self.rewind_created: int | None = None
+        #: The sim's order at the last rewind, and whether an operation invoked after it
+        #: got a key-value answer below ``rewind_known`` (each such answer shows it).
+        self.rewind_order = 0
+        self.rewind_answered_below = False
 
     @property
     def etcd(self) -> EtcdStore:
@@ -450,6 +458,9 @@ class Sim:
         header = getattr(response, "header", None)
         if op is not None and header is not None:
             op.last_revision = int(header.revision)
+            if (store.rewind_known is not None and op.invoked > store.rewind_order
+                    and method in _KEY_VALUE and op.last_revision < store.rewind_known):
+                store.rewind_answered_below = True
         hold = (op is not None and op.hold) or (
             store.hold_watcher and thread.name.startswith("cachedstore-watch-"))
         if hold:
@@ -673,6 +684,10 @@ class Sim:
             store.rewind_known = cache._known  # noqa: SLF001
             store.rewinds_before = cache.rewinds
             store.rewind_created = None
+            store.rewind_answered_below = False
+        rewound_at = next(self.order)
+        for store in self.stores:
+            store.rewind_order = rewound_at
         with self.model_lock:
             self.model.rewind(revision)
         for store in self.stores:  # a stream made meanwhile ends with the restart too
@@ -682,11 +697,15 @@ class Sim:
         """Whether ``store`` could have found, by revisions alone, that etcd's history
         went back (rule 10 of cache.py; guarantees.md 16): it did, or its watch was
         created again while etcd's new history was still below the newest revision the
-        store knew of. Once etcd's new history has passed that before the store hears
-        from it, nothing in etcd's answers tells it (not promised)."""
+        store knew of, or an operation begun after the rewind got a key-value answer
+        below it (every such answer is checked). Once etcd's new history has passed that
+        before the store hears from it, nothing in etcd's answers tells it (not
+        promised)."""
         if store.rewind_known is None:
             return True
         if store.etcd._cache.rewinds > store.rewinds_before:  # noqa: SLF001
+            return True
+        if store.rewind_answered_below:
             return True
         return store.rewind_created is not None and store.rewind_created < store.rewind_known
 

@@ -16,6 +16,7 @@ from typing import Any
 from cachedstore import counters, keys, queues
 from cachedstore.aio import AsyncFront
 from cachedstore.cache import NOT_SERVING, CoherentCache
+from cachedstore.connection import Connection
 from cachedstore.errors import StoreTimeoutError
 from cachedstore.reads import MISSING, absent
 from cachedstore.writes import Writer
@@ -254,6 +255,29 @@ def rewind_epoch() -> Iterator[None]:
         yield
 
 
+class _NoHistory:
+    """A ``Connection.history`` that stays unset whatever the store assigns."""
+
+    def __get__(self, obj: object, owner: object = None) -> None:
+        return None
+
+    def __set__(self, obj: object, value: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def every_answer_checked() -> Iterator[None]:
+    """Rule 10 of cache.py checked only where a ticket ends (reads, writes, snapshots):
+    the connection no longer checks every key-value answer, so a store whose only
+    requests after etcd's history went back are a refused guard, a queue's count or a
+    consistent read's revision request never finds out."""
+    Connection.history = _NoHistory()  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        del Connection.history
+
+
 MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "eviction_mark": eviction_mark,
     "late_write_gate": late_write_gate,
@@ -268,4 +292,5 @@ MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "absent_after_snapshot": absent_after_snapshot,
     "history_rewind": history_rewind,
     "rewind_epoch": rewind_epoch,
+    "every_answer_checked": every_answer_checked,
 }
