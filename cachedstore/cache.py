@@ -241,7 +241,9 @@ class CoherentCache:
         self.rewinds = 0
         #: Called (outside the lock, on the thread that found it) with the new root scope,
         #: the revision the core knew of and the older one etcd answered, when etcd's
-        #: history went back (rule 10): the store has the watcher read and watch it.
+        #: history went back (rule 10): the store has the watcher read and watch it. Any
+        #: thread that makes a request may run it (the connection checks every answer):
+        #: it must not wait for etcd or for a lock held across a request.
         self.on_rewind: Callable[[Scope, int, int], None] | None = None
         if locate is None and scope_key is not None:
             def locate(scopes: dict[str, Scope], name: str) -> Scope | None:
@@ -777,12 +779,14 @@ class CoherentCache:
 
     def answered(self, ticket: Ticket, revision: int) -> bool:
         """A linearizable request sent after ``ticket`` (:meth:`known_revision`) was
-        answered at etcd revision ``revision``. Returns True if that shows etcd's history
-        went back (rule 10; the cache then starts over), else False."""
+        answered at etcd revision ``revision``. Returns True if etcd's history went back
+        since the ticket (rule 10; the cache then started over: this answer showed it, or
+        another, such as the connection's check of this very answer), else False."""
         with self._lock:
             rewound = self._went_back(ticket, revision)
+            since = ticket[0] < self._rewound
         self._rewound_to(rewound)
-        return rewound is not None
+        return since
 
     def _went_back(self, ticket: Ticket, revision: int
                    ) -> tuple[Scope, int, int, list[Waiter]] | None:

@@ -259,7 +259,9 @@ class Connection:
         #: Rule 10 of cache.py, wired by the store (the cache's ``known_revision`` and
         #: ``answered``): every key-value call takes a ticket before it is sent, and its
         #: answer's revision is checked against it, so no answer of etcd's (a queue's
-        #: count, a refused guard, a consistent read's revision) goes unchecked.
+        #: count, a refused guard, a consistent read's revision) goes unchecked. A rewind
+        #: found there is handled on the calling thread (the cache's ``on_rewind``: it
+        #: takes only short locks, never waits for etcd) before the answer is returned.
         self.history: tuple[Callable[[], Any], Callable[[Any, int], object]] | None = None
         # gRPC takes the minimum reconnect back-off as the time one connection attempt
         # (TCP, TLS and HTTP/2 handshakes) may take: 100 ms failed every TLS handshake over

@@ -64,10 +64,12 @@ class ScopeOpener:
         self._max_watches = config.max_watches
         self._metrics = metrics
         self._max_txn_ops = config.max_txn_ops
+        #: One opening at a time (held across its etcd read).
         self._lock = threading.Lock()
-        #: The thread holding ``_lock`` (0: none): a rewind found by its own opening read
-        #: is settled by it, not waited for (:meth:`rewound`).
-        self._owner = 0
+        #: Guards the books below, never across a call: a rewind (found by any thread,
+        #: while another's opening may hold ``_lock``) forgets them without waiting.
+        self._books = threading.Lock()
+        self._closed = False
         self._open: set[str] = set()
         #: Key scopes opened per directory (a directory scope is opened from COARSEN_AT on).
         self._keyed: dict[str, int] = {}
@@ -119,13 +121,9 @@ class ScopeOpener:
 
     def _acquire(self, deadline: float) -> bool:
         """Take the lock, waiting until ``deadline`` (clock time) at most."""
-        if not self._lock.acquire(timeout=max(0.0, deadline - self._clock.monotonic())):
-            return False
-        self._owner = threading.get_ident()
-        return True
+        return self._lock.acquire(timeout=max(0.0, deadline - self._clock.monotonic()))
 
     def _release(self) -> None:
-        self._owner = 0
         self._lock.release()
 
     def ensure_directory(self, directory: str, call_deadline: Callable[[], float],
@@ -198,25 +196,26 @@ class ScopeOpener:
             for scope in scopes:
                 cache.abort_scope(scope)
             raise
-        # etcd's history went back (found by this answer, or by another since it was
-        # sent: the connection checks each answer first): every scope is gone.
-        if cache.answered(sent, revision) or not cache.scoped:
-            return set(), None
+        if cache.answered(sent, revision):  # etcd's history went back (found by this
+            return set(), None  # answer, or since it was sent): every scope is gone
         answered: set[str] = set()
         last: tuple[Scope, int, int] | None = None
         for scope, (key, asked), entries in zip(scopes, plan.items(), found, strict=True):
             cache.open_scope(scope, revision, entries,
                              absent=asked if entries is not None else ())
-            self._open.add(key)
-            if key[0] == "k":
-                directory = directory_of(key[1:])
-                self._keyed[directory] = self._keyed.get(directory, 0) + 1
+            with self._books:  # a rewind marks every scope removed, then forgets
+                if not scope.removed:
+                    self._open.add(key)
+                    if key[0] == "k":
+                        directory = directory_of(key[1:])
+                        self._keyed[directory] = self._keyed.get(directory, 0) + 1
             if entries is not None:
                 answered.update(asked)
             last = (scope, revision, len(entries)) if entries is not None else None
             if not scope.removed:
                 self.watch(scope)
-        self._count(len(self._open))
+        with self._books:
+            self._count(len(self._open) if cache.scoped else 1)
         return answered, last
 
     def _collapse(self) -> None:
@@ -230,19 +229,17 @@ class ScopeOpener:
     def rewound(self) -> None:
         """etcd's history went back and the cache started over with a root scope (rule
         10 of cache.py): this store watches its whole prefix from now on, and every
-        scope it opened is gone. Blocks while another thread's opening reads etcd; on
-        the thread whose opening read found it, returns at once."""
-        if self._owner == threading.get_ident():  # found by this thread's own opening
-            self._forget_scopes()
-            return
-        with self._lock:
-            self._forget_scopes()
+        scope it opened is gone. Thread-safe; does not wait for an opening in progress
+        (it finds its scopes removed)."""
+        self._forget_scopes()
 
     def _forget_scopes(self) -> None:
-        """The cache fell back to its root, or started over (under the lock)."""
-        self._open.clear()
-        self._keyed.clear()
-        self._count(1)
+        """The cache fell back to its root, or started over."""
+        with self._books:
+            self._open.clear()
+            self._keyed.clear()
+            if not self._closed:
+                self._count(1)
 
     def _count(self, n: int) -> None:
         self._metrics.watch_scopes.inc(n - self._counted)
@@ -250,5 +247,6 @@ class ScopeOpener:
 
     def close(self) -> None:
         """Take this store's scopes out of ``cachedstore_watch_scopes``. Idempotent."""
-        with self._lock:
+        with self._books:
+            self._closed = True
             self._count(0)

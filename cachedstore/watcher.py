@@ -124,6 +124,9 @@ class Watcher:
         self._rescope = False
         #: The fall-back was etcd's history going back (rule 10 of cache.py).
         self._rewinding = False
+        #: The cache's rewinds counted as restarts (reason ``rewound``): each once, found
+        #: by a live stream's check, a caller's request, or while between streams.
+        self._rewinds_counted = cache.rewinds
         #: Scopes replaying since the stream was created: when first seen so (clock).
         self._lagging_since: dict[Scope, float] = {}
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -261,11 +264,8 @@ class Watcher:
                     rewinding = self._rewinding
                     self._resync()
                     if rewinding and not self._rescope:  # its root is read: told by now
-                        # Still set: no stream was cancelled for it (it was found between
-                        # streams, or a resync failed after), so no restart counted it.
                         self._rewinding = False
-                        self.restarts += 1
-                        self._metrics.restart("rewound")
+                    self._count_rewinds()  # one found between streams counts now
                 reason = self._stream_once()
             except StoreClosedError:
                 break
@@ -281,8 +281,10 @@ class Watcher:
             if self._stopping.is_set():
                 break
             self._set_down()
-            self.restarts += 1
-            self._metrics.restart(reason)
+            if reason != "rewound":  # a rewind counts once, here or after a resync
+                self.restarts += 1
+                self._metrics.restart(reason)
+            self._count_rewinds()
             # Warn once per outage; the retries that follow are logged at debug level.
             log.log(logging.INFO if reason == "rescoped"
                     else logging.ERROR if reason == "rewound"
@@ -294,6 +296,15 @@ class Watcher:
             attempt = 0 if self._stream_was_healthy else attempt + 1
             self._clock.wait(self._stopping, self._config.backoff.delay(attempt))
         self._set_down()
+
+    def _count_rewinds(self) -> None:
+        """Count each rewind the cache found since the last count as one restart, reason
+        ``rewound`` (watch thread only)."""
+        found = self._cache.rewinds
+        for _ in range(found - self._rewinds_counted):
+            self.restarts += 1
+            self._metrics.restart("rewound")
+        self._rewinds_counted = found
 
     def _resync(self) -> None:
         """Events of some scopes were lost: for each, take a fresh revision (and snapshot)

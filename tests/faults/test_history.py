@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -55,6 +56,15 @@ def test_a_store_that_only_reads_its_cache_sees_the_history_go_back(
         assert reader.get("b", consistent=True) == b"lost"
         applied = reader.watch_revision
         assert applied >= backed_up + 6
+        watcher = reader._watcher  # noqa: SLF001
+        set_up, removed_set_up = watcher._set_up, []  # noqa: SLF001
+
+        def recorded(revision: int, scope: Any) -> None:
+            if scope is not None and scope.removed:
+                removed_set_up.append(scope)
+            set_up(revision, scope)
+
+        watcher._set_up = recorded  # type: ignore[method-assign]  # noqa: SLF001
 
         restore_backup(server, tmp_path / "backup.db", tmp_path)
         # No read until the watch is back (created again, serving): only it can find out.
@@ -65,6 +75,9 @@ def test_a_store_that_only_reads_its_cache_sees_the_history_go_back(
         assert reader.watch_revision == backed_up
         assert reader._cache.rewinds == 1  # noqa: SLF001
         assert sample(reader, "cachedstore_watch_restarts_total", {"reason": "rewound"}) == 1
+        # The create that showed it (its check's range answered first, by the
+        # connection) did not set the watch up on a scope the rewind removed.
+        assert removed_set_up == []
         # The new history is followed: a write of another store is seen by the watch.
         writer.set("a", "after the restore")
         wait_until(lambda: reader.get("a") == b"after the restore", 10,
@@ -208,9 +221,20 @@ def test_every_answer_is_checked(etcd_factory: Callable[..., LocalEtcd], prefix:
     with _store(server, prefix) as store:
         store.set("g", "guard")
         store.queues.push("q", "first")
+        cache = store._cache  # noqa: SLF001
+        found_on: list[int] = []
+        on_rewind = cache.on_rewind
+        assert on_rewind is not None
+
+        def recorded(*args: Any) -> None:
+            found_on.append(threading.get_ident())
+            on_rewind(*args)
+
+        cache.on_rewind = recorded
         _knows_a_lost_revision(store)
         request_(store)
-        assert store._cache.rewinds == 1  # noqa: SLF001
+        assert cache.rewinds == 1
+        assert found_on == [threading.get_ident()]  # by the request's answer
         wait_until(lambda: store.watch_healthy, 30, "the watch up on the new root")
         assert store.get("g") == b"guard"
 
@@ -267,3 +291,40 @@ def test_a_push_answered_before_the_rewind_is_not_installed_after_it(
         assert [name for name in cache._lru if "q" in name] == []  # noqa: SLF001
         assert store.get("a") == b"backed up"
         assert store.queues.length("q") == 0
+
+
+def test_a_rewind_found_during_another_threads_opening_does_not_wait_for_it(
+        etcd_factory: Callable[..., LocalEtcd], prefix: str) -> None:
+    """One thread's opening read is answered and held before its scopes open; another
+    thread's request finds etcd's history went back meanwhile. That request returns at
+    once (it waited for the opening, up to a request timeout: any request may find a
+    rewind now, a blocking read's too); the opening then finds its scopes gone and
+    counts none."""
+    server = etcd_factory()
+    with _store(server, prefix, watch_scope="touched") as store:
+        store.set("a/x", "x")
+        held, release = threading.Event(), threading.Event()
+
+        def hold(keys: list[str]) -> None:
+            held.set()
+            release.wait(30)
+
+        store._opener.after_read = hold  # noqa: SLF001
+        opening = threading.Thread(target=store.get, args=("a/x",), name="opening")
+        opening.start()
+        try:
+            assert held.wait(10)
+            _knows_a_lost_revision(store)
+            counted = threading.Event()
+            finder = threading.Thread(target=lambda: (store.num_keys(), counted.set()),
+                                      name="finder")
+            finder.start()
+            assert counted.wait(5), "the request that found the rewind waited"
+        finally:
+            release.set()
+            opening.join(10)
+        assert store._cache.rewinds == 1  # noqa: SLF001
+        wait_until(lambda: store.watch_healthy, 30, "the watch up on the new root")
+        assert not store._opener._open  # noqa: SLF001
+        assert sample(store, "cachedstore_watch_scopes") == 1
+        assert store.get("a/x") == b"x"

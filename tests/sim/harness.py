@@ -159,10 +159,6 @@ class SimLock:
 
 
 # -- the transport ------------------------------------------------------------------------
-#: The calls whose answers rule 10 of cache.py checks (cachedstore.connection's names).
-_KEY_VALUE = frozenset({"range", "txn", "put", "delete_range"})
-
-
 class _Method:
     """One unary RPC of a stub: callable like a grpcio multi-callable, with ``future``."""
 
@@ -459,7 +455,8 @@ class Sim:
         if op is not None and header is not None:
             op.last_revision = int(header.revision)
             if (store.rewind_known is not None and op.invoked > store.rewind_order
-                    and method in _KEY_VALUE and op.last_revision < store.rewind_known):
+                    and method in connection._KEY_VALUE  # noqa: SLF001
+                    and op.last_revision < store.rewind_known):
                 store.rewind_answered_below = True
         hold = (op is not None and op.hold) or (
             store.hold_watcher and thread.name.startswith("cachedstore-watch-"))
