@@ -13,8 +13,9 @@ dir), so the history goes back every time, at a known revision.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +109,22 @@ class _BackoffHolder:
         return SYSTEM_CLOCK.wait(event, timeout)
 
 
+@contextlib.contextmanager
+def _backed_up_store(server: LocalEtcd, prefix: str, tmp_path: Path, lost: int
+                     ) -> Iterator[tuple[EtcdStore, _BackoffHolder]]:
+    """A store whose watch thread the clock it is given can hold between streams: it
+    wrote "a", a backup was saved to ``tmp_path/backup.db``, then it wrote "a" ``lost``
+    times more (revisions a restore of the backup hands out again)."""
+    clock = _BackoffHolder()
+    with _store(server, prefix, clock=clock) as store:
+        clock.stopping = store._watcher._stopping  # noqa: SLF001
+        store.set("a", "backed up")
+        save_backup(server, tmp_path / "backup.db")
+        for i in range(lost):
+            store.set("a", f"lost {i}")
+        yield store, clock
+
+
 def test_a_write_answered_at_an_older_revision_starts_the_cache_over(
         etcd_factory: Callable[..., LocalEtcd], prefix: str, tmp_path: Path) -> None:
     """The store's own write is answered at a revision older than the one it knew when it
@@ -116,13 +133,7 @@ def test_a_write_answered_at_an_older_revision_starts_the_cache_over(
     (the restore broke its stream) until the write found the rewind: the restart reason
     ``rewound`` is still counted, once (it was lost when no stream was live to cancel)."""
     server = etcd_factory()
-    clock = _BackoffHolder()
-    with _store(server, prefix, clock=clock) as store:
-        clock.stopping = store._watcher._stopping  # noqa: SLF001
-        store.set("a", "backed up")
-        save_backup(server, tmp_path / "backup.db")
-        for i in range(5):
-            store.set("a", f"lost {i}")
+    with _backed_up_store(server, prefix, tmp_path, lost=5) as (store, clock):
         store.set("b", "lost")
         clock.hold.set()
         restore_backup(server, tmp_path / "backup.db", tmp_path)
@@ -274,13 +285,7 @@ def test_a_push_answered_before_the_rewind_is_not_installed_after_it(
     was installed over the root's snapshot (older than the lost revision): the cache held
     a queue item the restored etcd does not have."""
     server = etcd_factory()
-    clock = _BackoffHolder()
-    with _store(server, prefix, clock=clock) as store:
-        clock.stopping = store._watcher._stopping  # noqa: SLF001
-        store.set("a", "backed up")
-        save_backup(server, tmp_path / "backup.db")
-        for i in range(3):
-            store.set("a", f"lost {i}")
+    with _backed_up_store(server, prefix, tmp_path, lost=3) as (store, clock):
         store.queues._conn = _RestoreAfterAnswer(  # noqa: SLF001
             store, server, tmp_path / "backup.db", tmp_path, clock)
         store.queues.push("q", "lost item")
