@@ -287,8 +287,8 @@ class EtcdStore:
 
         def went_back(root: Scope, known: int, revision: int) -> None:
             # Rule 10 of cache.py: the cache started over with ``root``; the watch reads
-            # it and watches the whole prefix from now on. The watcher first: the opener
-            # may wait for another thread's opening read to end.
+            # it and watches the whole prefix from now on. Any thread that makes a
+            # request may run this (the connection checks every answer): none of it waits.
             watcher.rewound(root, known, revision)
             progress.rewound()
             opener.rewound()
