@@ -215,7 +215,8 @@ class ScopeOpener:
             if not scope.removed:
                 self.watch(scope)
         with self._books:
-            self._count(len(self._open) if cache.scoped else 1)
+            if not self._closed:  # close() does not wait for an opening to end
+                self._count(len(self._open) if cache.scoped else 1)
         return answered, last
 
     def _collapse(self) -> None:

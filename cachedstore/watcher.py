@@ -483,8 +483,9 @@ class Watcher:
         if response.created:
             self._stream_was_healthy = True
             if self._went_back(response, stream):
-                self._rewinding = False  # this stream's own reason
-                return "rewound"
+                return "rewound"  # counted once, by _count_rewinds; the resync clears
+            if scope is not None and scope.removed and self._rescope:
+                return None  # the store fell back or started over: this stream is ending
             self._set_up(response.header.revision, scope)
             self._metrics.watch_revision.set(max(self._revision, response.header.revision))
         elif not response.events:  # a progress response: liveness only, never ordering

@@ -388,3 +388,37 @@ def test_a_wait_whose_scope_gave_way_to_another_opening_is_still_woken(
         raw_client(own_etcd).put(prefix + "b", "vb")
         waiter.join(8)  # well inside the wait's own 10 s
         assert got == [b"vb"]
+
+
+def test_an_opening_that_ends_after_close_leaves_no_scope_counted(own_etcd: LocalEtcd
+                                                                   ) -> None:
+    """``close()`` does not wait for an opening in progress (a rewind found by any
+    request must not either): an opening whose read was answered before the store closed
+    and that ends after it counts nothing, so ``cachedstore_watch_scopes`` stays at 0."""
+    store = _store(own_etcd, "/scoped/close-opening/", watch_scope="touched")
+    store.set("a/x", "x")
+    held, release = threading.Event(), threading.Event()
+
+    def hold(keys: list[str]) -> None:
+        held.set()
+        release.wait(30)
+
+    store._opener.after_read = hold  # noqa: SLF001
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            store.get("a/x")
+        except BaseException as exc:  # noqa: BLE001 -- closed under it: any outcome
+            errors.append(exc)
+
+    opening = threading.Thread(target=read, name="opening")
+    opening.start()
+    try:
+        assert held.wait(10)
+        store.close()
+    finally:
+        release.set()
+        opening.join(10)
+    assert not opening.is_alive()
+    assert store.registry.get_sample_value("cachedstore_watch_scopes", {}) == 0

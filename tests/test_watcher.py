@@ -336,6 +336,46 @@ def test_a_proxy_created_answer_checks_the_member_once(rig: Rig) -> None:
     assert rig.stubs.maintenance.Status.calls == 1
 
 
+def test_a_create_answered_after_the_cache_started_over_sets_nothing_up(rig: Rig) -> None:
+    """Another thread's request found etcd's history going back (rule 10 of cache.py)
+    between the stream's start and its create's answer: the create is of the root the
+    rewind removed, the stream is ending (rescoped), and it is not set up (it made the
+    watch up and ready for a moment, the constructor's wait included)."""
+    rig.cache.on_rewind = rig.watcher.rewound
+    went_back = rig.watcher._went_back
+
+    def found_meanwhile(response: Any, stream: Any) -> bool:
+        epoch, _ = rig.cache.known_revision
+        assert rig.cache.answered((epoch, 10**9), 9)  # a request sent after 10**9
+        return went_back(response, stream)
+
+    rig.watcher._went_back = found_meanwhile  # type: ignore[method-assign]
+    assert rig.stream(created(revision=10)) == "rewound"
+    assert not rig.watcher.up and not rig.watcher.ready.is_set()
+    assert sample(rig.registry, "cachedstore_watch_up") == 0
+
+
+def test_a_rewind_whose_rescope_lands_on_the_next_stream_is_still_its_reason(rig: Rig
+                                                                            ) -> None:
+    """A rewind found by another thread is told to the watcher in two steps (the flag,
+    then the rescope that cancels the stream). When the stream's own create check finds
+    the same rewind in between, and the rescope lands on the next stream, that stream
+    ends for the same rewind: its reason is ``rewound`` (not counted again: the loop
+    counts rewinds from the cache), not a second restart counted as ``rescoped``."""
+    went_back = rig.watcher._went_back
+
+    def found_twice(response: Any, stream: Any) -> bool:
+        rig.watcher._rewinding = True  # the other thread's rewound(), first step
+        went_back(response, stream)
+        return True
+
+    rig.watcher._went_back = found_twice  # type: ignore[method-assign]
+    assert rig.stream(created(revision=10)) == "rewound"
+    rig.watcher._went_back = went_back  # type: ignore[method-assign]
+    rig.watcher.rescope(rig.cache.collapse(rig.keys.range_start, rig.keys.range_end))
+    assert rig.stream(created(revision=10)) == "rewound"
+
+
 def test_creates_are_matched_to_their_answers_by_id_and_events_to_their_scope() -> None:
     """A store watching what it touched: the anchor and one watch per scope on one
     stream; the answers arrive out of order (grpc-proxy), and each scope's events apply
