@@ -17,7 +17,7 @@ from benchmarks.fanout.etcd_metrics import sample as etcd_sample
 from cachedstore import EtcdConnectionError, EtcdStore, InvalidInputError, StoreConfig
 from cachedstore.server import LocalEtcd
 from cachedstore.torch import TorchEtcdStore
-from tests.util import eventually, raw_client, rpc_count
+from tests.util import eventually, held_opening, raw_client, rpc_count
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -397,28 +397,7 @@ def test_an_opening_that_ends_after_close_leaves_no_scope_counted(own_etcd: Loca
     and that ends after it counts nothing, so ``cachedstore_watch_scopes`` stays at 0."""
     store = _store(own_etcd, "/scoped/close-opening/", watch_scope="touched")
     store.set("a/x", "x")
-    held, release = threading.Event(), threading.Event()
-
-    def hold(keys: list[str]) -> None:
-        held.set()
-        release.wait(30)
-
-    store._opener.after_read = hold  # noqa: SLF001
-    errors: list[BaseException] = []
-
-    def read() -> None:
-        try:
-            store.get("a/x")
-        except BaseException as exc:  # noqa: BLE001 -- closed under it: any outcome
-            errors.append(exc)
-
-    opening = threading.Thread(target=read, name="opening")
-    opening.start()
-    try:
-        assert held.wait(10)
+    with held_opening(store, "a/x") as opening:
         store.close()
-    finally:
-        release.set()
-        opening.join(10)
     assert not opening.is_alive()
     assert store.registry.get_sample_value("cachedstore_watch_scopes", {}) == 0

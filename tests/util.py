@@ -8,7 +8,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -92,6 +92,33 @@ def held_watch(store: Any) -> Iterator[threading.Event]:
         release.set()
         cache.apply_events = original
 
+
+@contextmanager
+def held_opening(store: Any, name: str) -> Iterator[threading.Thread]:
+    """Start a thread that reads ``name`` from ``store`` (watching what it touched) and
+    hold its scope opening after etcd answered, before the scopes open (the opener's
+    ``after_read``); yields the thread once it is held, lets it go and joins it on exit.
+    The read's own outcome is not kept (a test may close the store under it)."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold(keys: list[str]) -> None:
+        held.set()
+        release.wait(30)
+
+    def read() -> None:
+        with suppress(Exception):
+            store.get(name)
+
+    store._opener.after_read = hold
+    opening = threading.Thread(target=read, name="held-opening")
+    opening.start()
+    try:
+        assert held.wait(10), "the opening never read etcd"
+        yield opening
+    finally:
+        release.set()
+        opening.join(10)
+        store._opener.after_read = None
 
 # -- the package's import graph (tests/test_layout.py, tests/test_console.py) -------------
 def package_modules(package: Path) -> dict[str, Path]:

@@ -24,7 +24,7 @@ import pytest
 from cachedstore import EtcdStore
 from cachedstore.clock import SYSTEM_CLOCK
 from cachedstore.server import LocalEtcd
-from tests.util import restore_backup, save_backup
+from tests.util import held_opening, restore_backup, save_backup
 
 from . import sample, wait_until
 
@@ -308,26 +308,13 @@ def test_a_rewind_found_during_another_threads_opening_does_not_wait_for_it(
     server = etcd_factory()
     with _store(server, prefix, watch_scope="touched") as store:
         store.set("a/x", "x")
-        held, release = threading.Event(), threading.Event()
-
-        def hold(keys: list[str]) -> None:
-            held.set()
-            release.wait(30)
-
-        store._opener.after_read = hold  # noqa: SLF001
-        opening = threading.Thread(target=store.get, args=("a/x",), name="opening")
-        opening.start()
-        try:
-            assert held.wait(10)
+        with held_opening(store, "a/x"):
             _knows_a_lost_revision(store)
             counted = threading.Event()
             finder = threading.Thread(target=lambda: (store.num_keys(), counted.set()),
                                       name="finder")
             finder.start()
             assert counted.wait(5), "the request that found the rewind waited"
-        finally:
-            release.set()
-            opening.join(10)
         assert store._cache.rewinds == 1  # noqa: SLF001
         wait_until(lambda: store.watch_healthy, 30, "the watch up on the new root")
         assert not store._opener._open  # noqa: SLF001
