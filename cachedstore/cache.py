@@ -366,8 +366,11 @@ class CoherentCache:
     def collapse(self, start: bytes, end: bytes) -> Scope:
         """Fall back to watching the whole prefix ``[start, end)``: every scope and entry
         is dropped, and one root scope, opening, covers every name from now on. Open it
-        with :meth:`open_scope` once its snapshot is read."""
+        with :meth:`open_scope` once its snapshot is read. A root there already (a rewind
+        made one meanwhile, rule 10) is returned as it is: it covers every name."""
         with self._lock:
+            if self._root is not None:
+                return self._root
             root = self._new_root(start, end)
             waiters = self._all_waiters()
         for waiter in waiters:

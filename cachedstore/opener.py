@@ -221,6 +221,8 @@ class ScopeOpener:
 
     def _collapse(self) -> None:
         """Too many scopes: watch the whole prefix from now on (under the lock)."""
+        if not self._cache.scoped:  # a rewind made a root meanwhile (rule 10 of cache.py)
+            return
         log.warning("cachedstore: this store touched more than max_watches=%d scopes; it "
                     "watches its whole prefix from now on", self._max_watches)
         root = self._cache.collapse(*self._ranges.root())

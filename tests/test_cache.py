@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry
 
 from cachedstore.cache import NOT_SERVING, AsyncWaiter, CoherentCache, ThreadWaiter
 from cachedstore.metrics import make_metrics
+from cachedstore.scoping import Scope
 
 
 def make(maxsize: int = 100) -> tuple[CoherentCache, CollectorRegistry]:
@@ -286,6 +287,26 @@ def test_the_watchers_check_of_a_member_behind_the_cache():
     # second rewind), but its holder learns the history went back since it was taken.
     assert cache.answered(ticket, 9)
     assert cache.rewinds == 1 and len(told) == 1
+
+
+def test_a_fall_back_racing_a_rewind_keeps_the_rewinds_root():
+    """A store watching what it touched falls back to its whole prefix (too many scopes)
+    just after a rewind made a root: the rewind's root, which the watcher is reading and
+    whose creation the cache awaits, stays and is the fall-back's root (it covers every
+    name). A new root replaced it, without the awaited creation."""
+    from cachedstore.metrics import NullMetrics
+
+    cache = CoherentCache(10, NullMetrics(), scope_key=lambda name: "k" + name,
+                          root=(b"/p/", b"/p0"))
+    told: list[Scope] = []
+    cache.on_rewind = lambda root, known, revision: told.append(root)
+    scope = cache.begin_scope("ka", b"/p/a", b"")
+    cache.open_scope(scope, 12, [("a", b"lost", 12)])
+    cache.watch_up(12, scope)
+    assert cache.answered(cache.known_revision, 9)
+    assert cache.collapse(b"/p/", b"/p0") is told[0]
+    assert not told[0].removed and told[0].awaiting_create
+    assert cache.floor == NOT_SERVING and cache.scope_of("b") is told[0]
 
 
 def test_a_scope_begun_as_the_history_goes_back_is_never_opened_nor_served():

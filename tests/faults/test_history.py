@@ -320,3 +320,26 @@ def test_a_rewind_found_during_another_threads_opening_does_not_wait_for_it(
         assert not store._opener._open  # noqa: SLF001
         assert sample(store, "cachedstore_watch_scopes") == 1
         assert store.get("a/x") == b"x"
+
+
+def test_a_fall_back_after_a_rewind_keeps_its_root_and_stays_quiet(
+        etcd_factory: Callable[..., LocalEtcd], prefix: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """An opening that decided to fall back to the whole prefix (too many scopes) while
+    another thread's request found a rewind: the rewind's root already covers every
+    name, so the fall-back neither warns of max_watches nor restarts the stream again."""
+    server = etcd_factory()
+    with _store(server, prefix, watch_scope="touched") as store:
+        store.set("a/x", "x")
+        _knows_a_lost_revision(store)
+        store.num_keys()
+        assert store._cache.rewinds == 1  # noqa: SLF001
+        fell_back: list[object] = []
+        opener = store._opener  # noqa: SLF001
+        opener.fall_back = fell_back.append
+        caplog.clear()
+        with opener._lock:  # noqa: SLF001 -- as ensure() holds it when it collapses
+            opener._collapse()  # noqa: SLF001
+        assert fell_back == []
+        assert not [r for r in caplog.records if "max_watches" in r.getMessage()]
+        assert sample(store, "cachedstore_watch_scopes") == 1
