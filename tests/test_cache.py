@@ -289,11 +289,10 @@ def test_the_watchers_check_of_a_member_behind_the_cache():
     assert cache.rewinds == 1 and len(told) == 1
 
 
-def test_a_fall_back_racing_a_rewind_keeps_the_rewinds_root():
-    """A store watching what it touched falls back to its whole prefix (too many scopes)
-    just after a rewind made a root: the rewind's root, which the watcher is reading and
-    whose creation the cache awaits, stays and is the fall-back's root (it covers every
-    name). A new root replaced it, without the awaited creation."""
+def _touched_cache_holding_a_lost_key() -> tuple[CoherentCache, list[Scope]]:
+    """A cache of a store watching what it touched: the key scope of "a" open and
+    watched at revision 12 (etcd is about to lose it), and the roots ``on_rewind`` is
+    told of."""
     from cachedstore.metrics import NullMetrics
 
     cache = CoherentCache(10, NullMetrics(), scope_key=lambda name: "k" + name,
@@ -303,6 +302,15 @@ def test_a_fall_back_racing_a_rewind_keeps_the_rewinds_root():
     scope = cache.begin_scope("ka", b"/p/a", b"")
     cache.open_scope(scope, 12, [("a", b"lost", 12)])
     cache.watch_up(12, scope)
+    return cache, told
+
+
+def test_a_fall_back_racing_a_rewind_keeps_the_rewinds_root():
+    """A store watching what it touched falls back to its whole prefix (too many scopes)
+    just after a rewind made a root: the rewind's root, which the watcher is reading and
+    whose creation the cache awaits, stays and is the fall-back's root (it covers every
+    name). A new root replaced it, without the awaited creation."""
+    cache, told = _touched_cache_holding_a_lost_key()
     assert cache.answered(cache.known_revision, 9)
     assert cache.collapse(b"/p/", b"/p0") is told[0]
     assert not told[0].removed and told[0].awaiting_create
@@ -313,15 +321,7 @@ def test_a_scope_begun_as_the_history_goes_back_is_never_opened_nor_served():
     """A store watching what it touched: a reader begins a scope's opening, the rewind
     lands before the cache registers it, and the root the rewind made covers every name;
     the late scope is a stray that nothing opens, watches or consults."""
-    from cachedstore.metrics import NullMetrics
-
-    cache = CoherentCache(10, NullMetrics(), scope_key=lambda name: "k" + name,
-                          root=(b"/p/", b"/p0"))
-    told: list[object] = []
-    cache.on_rewind = lambda root, known, revision: told.append(root)
-    scope = cache.begin_scope("ka", b"/p/a", b"")
-    cache.open_scope(scope, 12, [("a", b"lost", 12)])
-    cache.watch_up(12, scope)
+    cache, told = _touched_cache_holding_a_lost_key()
     assert cache.lookup("a") == (b"lost", 12, 12)
     assert cache.answered(cache.known_revision, 9)  # the next answer: etcd went back
     late = cache.begin_scope("kb", b"/p/b", b"")
