@@ -117,14 +117,11 @@ class ScopeOpener:
                                               deadline)[0]
             return answered
         finally:
-            self._release()
+            self._lock.release()
 
     def _acquire(self, deadline: float) -> bool:
         """Take the lock, waiting until ``deadline`` (clock time) at most."""
         return self._lock.acquire(timeout=max(0.0, deadline - self._clock.monotonic()))
-
-    def _release(self) -> None:
-        self._lock.release()
 
     def ensure_directory(self, directory: str, call_deadline: Callable[[], float],
                          names: Iterable[str] = ()) -> tuple[Scope, int, int] | None:
@@ -154,7 +151,7 @@ class ScopeOpener:
                 return None
             return self._open_scopes(plan, call_deadline())[1]
         finally:
-            self._release()
+            self._lock.release()
 
     def covers_directory(self, directory: str) -> bool:
         """Whether an open directory scope (or the root), not one still opening, covers

@@ -47,7 +47,7 @@ from . import etcdapi
 from .cache import CoherentCache, ThreadWaiter, Ticket
 from .clock import SYSTEM_CLOCK, Clock
 from .config import seconds
-from .connection import UNSENT_ONLY, Connection
+from .connection import Connection
 from .errors import QueueEmptyError, StoreTimeoutError
 from .keys import QUEUE_DIRECTORY, KeySpace, prefix_range_end, to_value
 from .opener import ScopeOpener
@@ -130,7 +130,9 @@ class Queues:
     within a wait's, ``ReadThrough.call_deadline``), ``look_deadline`` (that of a count or
     a directory's opening read: ``ReadThrough.look_deadline``, which keeps those a wait's
     ``ready()`` makes within the wait), ``wait_until`` (the store's one wait
-    for changes, ``ReadThrough.wait_until``), ``clock`` (times the waits).
+    for changes, ``ReadThrough.wait_until``), ``sent`` (a write request sent with its
+    names registered in flight, as every write of the store: ``Writer._sent``),
+    ``clock`` (times the waits).
 
     Longer than this project's classes usually are: everything that knows the layout of the
     queue namespace is here (push, pop and length; the emptiness remembered for torch's
@@ -142,7 +144,9 @@ class Queues:
                  serving_live: Callable[[], bool],
                  call_deadline: Callable[[float | None], float],
                  look_deadline: Callable[[], float],
-                 wait_until: Callable[..., None], clock: Clock = SYSTEM_CLOCK) -> None:
+                 wait_until: Callable[..., None],
+                 sent: Callable[[str, Sequence[str], Any, float], tuple[Ticket, Any]],
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         self._conn = conn
         self._keys = keys
         self._cache = cache
@@ -153,6 +157,7 @@ class Queues:
         self._call_deadline = call_deadline
         self._look_deadline = look_deadline
         self._wait_until = wait_until
+        self._sent = sent
         self._clock = clock
         self._gates: dict[str, _Gate] = {}
         self._gates_lock = threading.Lock()
@@ -185,27 +190,13 @@ class Queues:
             self._keys.check_size(key, data)
             request = etcdapi.txn([etcdapi.absent(key)],
                                   [etcdapi.op_put(etcdapi.put(key, data))])
-            response, ticket = self._sent([item], request, deadline)
+            ticket, response = self._sent("txn", [item], request, deadline)
             if response.succeeded:  # else: 64 random bits collided; draw again
                 revision = response.header.revision
                 self._known.pushed(revision)  # before the cache holds it: see is_nonempty
                 self._cache.end_write([(item, data)], ticket, revision)
                 return
             self._cache.abandon([item])
-
-    def _sent(self, names: list[str], request: Any, deadline: float
-              ) -> tuple[Any, Ticket]:
-        """Send the Txn ``request`` that writes the items ``names``, registered with the
-        cache first as every write is: no older result of theirs is installed after it,
-        nor it after etcd's history went back (rule 10 of cache.py). Unregistered if it
-        got no answer; the caller ends or abandons the ticket otherwise."""
-        ticket = self._cache.begin(names)
-        try:
-            return self._conn.call("txn", request, deadline=deadline,
-                                   retry=UNSENT_ONLY), ticket
-        except BaseException:
-            self._cache.abandon(names)
-            raise
 
     def _gate(self, canonical: str) -> _Gate:
         with self._gates_lock:
@@ -234,7 +225,7 @@ class Queues:
                 [etcdapi.op_range(_oldest(start, end))])
             name = self._keys.name_of(guess.key)
             names = [] if name is None else [name]
-            response, ticket = self._sent(names, request, deadline)
+            ticket, response = self._sent("txn", names, request, deadline)
             if response.succeeded:
                 self._cache.end_write([(n, None) for n in names], ticket,
                                       response.header.revision)

@@ -239,7 +239,7 @@ class EtcdStore:
         self.queues = Queues(self._conn, self._keys, self._cache, self._opener, cfg.timeout,
                              self._check_open, lambda: self.watch_healthy,
                              self._reads.call_deadline, self._reads.look_deadline,
-                             self._reads.wait_until, clock)
+                             self._reads.wait_until, self._writes._sent, clock)
         # The hot path, bound once: a hit is one lock-free lookup and one counter
         # increment, ``next()`` of an itertools.count read at scrape time (no lock).
         self._lookup = self._cache.lookup

@@ -120,6 +120,7 @@ def held_opening(store: Any, name: str) -> Iterator[threading.Thread]:
         opening.join(10)
         store._opener.after_read = None
 
+
 # -- the package's import graph (tests/test_layout.py, tests/test_console.py) -------------
 def package_modules(package: Path) -> dict[str, Path]:
     """Dotted module name -> file, for every module under ``package`` (a directory)."""

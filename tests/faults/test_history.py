@@ -257,7 +257,7 @@ class _RestoreAfterAnswer:
 
     def __init__(self, store: EtcdStore, server: LocalEtcd, backup: Path, scratch: Path,
                  clock: _BackoffHolder) -> None:
-        self._real = store.queues._conn  # noqa: SLF001
+        self._real = store._writes._conn  # noqa: SLF001
         self._store, self._server, self._backup, self._scratch = store, server, backup, scratch
         self._clock = clock
         self.done = False
@@ -286,7 +286,7 @@ def test_a_push_answered_before_the_rewind_is_not_installed_after_it(
     a queue item the restored etcd does not have."""
     server = etcd_factory()
     with _backed_up_store(server, prefix, tmp_path, lost=3) as (store, clock):
-        store.queues._conn = _RestoreAfterAnswer(  # noqa: SLF001
+        store._writes._conn = _RestoreAfterAnswer(  # noqa: SLF001
             store, server, tmp_path / "backup.db", tmp_path, clock)
         store.queues.push("q", "lost item")
         clock.hold.clear()
