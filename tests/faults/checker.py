@@ -683,8 +683,11 @@ def run(config: CheckerConfig, endpoint: str, workdir: str | os.PathLike[str],
             if p.is_alive():
                 p.kill()
                 raise RuntimeError(f"{p.name} did not finish")
-        end = kvs.call("Put", etcdrpc.PutRequest(key=(prefix + "__end__").encode(),
-                                                 value=b"1"))
+        try:
+            end = kvs.call("Put", etcdrpc.PutRequest(key=(prefix + "__end__").encode(),
+                                                     value=b"1"))
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}\n{_members_state(members)}") from exc
         oracle.wait_for(end.header.revision, 10)
         queue_left = _queue_items(kvs, prefix) if config.queues else []
     finally:
@@ -751,6 +754,21 @@ class _Members:
     def close(self) -> None:
         for channel in self._channels:
             channel.close()
+
+
+def _members_state(members: list[Any]) -> str:
+    """Whether each etcd process still runs (its exit code if not) and its log's tail:
+    what the checker's own request that found no member leaves to go on. (A CI run's
+    final Put twice found its single etcd refusing connections for 20 s, no kill in the
+    run.)"""
+    from cachedstore.server.process import log_tail
+
+    if not members:
+        return "(the etcd servers were not given to run(): their state is unknown)"
+    return "\n".join(
+        f"{m.endpoint}: pid {m.pid}, running {m.running}, exit code "
+        f"{m._proc.exit_code()}; log tail:\n{log_tail(m.log_path, 30)}"  # noqa: SLF001
+        for m in members)
 
 
 def _queue_items(kvs: _Members, prefix: str) -> list[str]:

@@ -27,7 +27,7 @@ def _seed() -> int:
 def _run(etcd_factory: Callable[..., LocalEtcd], tmp_path: Path, config: CheckerConfig
          ) -> Report:
     server = etcd_factory()
-    report = run(config, server.endpoint, tmp_path)
+    report = run(config, server.endpoint, tmp_path, servers=server)
     print("\n" + report.summary())
     assert not report.violations, (
         f"{report.summary()}\nreproduce: CHECKER_SEED={config.seed} pytest "
@@ -155,7 +155,8 @@ def test_the_modes_catch_a_reverted_fix(etcd_factory: Callable[..., LocalEtcd],
                                      else 0.0))
         workdir = tmp_path / str(attempt)
         workdir.mkdir()
-        report = run(config, etcd_factory().endpoint, workdir)
+        server = etcd_factory()
+        report = run(config, server.endpoint, workdir, servers=server)
         print("\n" + report.summary())
         summaries.append(report.summary())
         if report.violations:
