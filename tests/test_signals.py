@@ -194,3 +194,55 @@ def test_children_start_without_running_python_between_fork_and_exec(tmp_path: P
         os.close(write_end)
     with os.fdopen(read_end, "rb") as reader:
         assert reader.read() == b"", "the child ran Python at-fork handlers before exec"
+
+
+def test_a_reaped_childs_pid_is_never_signalled_once_another_process_has_it(tmp_path: Path
+                                                                           ) -> None:
+    """A server is killed again after it was reaped (``stop()``, then ``close()``; a kill,
+    then the finalizer). With ``pid_max`` at 32,768 a CI run recycles every pid within
+    minutes, and each etcd leads a process group of its own: the group signal of a reaped
+    child must not reach whichever process has its pid now. The recycling is staged: the
+    reaped child's pid is set to a live bystander's."""
+    from cachedstore.server.process import ManagedProcess
+
+    ours, bystander = ManagedProcess("ours"), ManagedProcess("bystander")
+    for proc in (ours, bystander):
+        proc.launch(["sleep", "60"], log_path=tmp_path / f"{proc.label}.log", env=_env(),
+                    cwd=tmp_path)
+    try:
+        assert ours.kill() == -signal.SIGKILL
+        assert ours.popen is not None and bystander.popen is not None
+        ours.popen.pid = bystander.popen.pid  # what a recycled pid looks like from here
+        ours.kill()
+        ours.terminate(grace=0.1)
+        ours.send(signal.SIGTERM)
+        with pytest.raises(subprocess.TimeoutExpired):  # a SIGKILL lands in microseconds
+            bystander.popen.wait(timeout=0.5)
+    finally:
+        bystander.kill()
+
+
+def test_a_reaped_childs_group_is_still_killed_while_it_has_members(tmp_path: Path) -> None:
+    """The other side of that rule: once the group's leader was reaped, the processes it
+    forked are still killed with the group (their group id keeps its pid from reuse)."""
+    from cachedstore.server.process import ManagedProcess
+
+    child = ManagedProcess("leader")
+    pid_file = tmp_path / "grandchild"
+    child.launch(["sh", "-c", f"sleep 60 & echo $! > {pid_file}; wait"],
+                 log_path=tmp_path / "log", env=_env(), cwd=tmp_path)
+    assert child.popen is not None
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() or not pid_file.read_text().strip():
+        assert time.monotonic() < deadline, "the shell never started its child"
+        time.sleep(0.01)
+    grandchild = psutil.Process(int(pid_file.read_text()))
+    try:
+        os.kill(child.popen.pid, signal.SIGKILL)  # the leader alone
+        child.popen.wait(timeout=30)
+        assert grandchild.is_running() and grandchild.status() != psutil.STATUS_ZOMBIE
+        child.kill()
+        grandchild.wait(timeout=30)
+    finally:
+        if grandchild.is_running():
+            grandchild.kill()

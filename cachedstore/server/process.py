@@ -173,6 +173,14 @@ class ManagedProcess:
         popen = self.popen
         if popen is None:
             return
+        if popen.returncode is not None and _pid_in_use(popen.pid):
+            # The child was reaped, so its pid is free for reuse once its group is empty
+            # (the kernel frees a pid only when no process has it as its pid, group or
+            # session id). A process that has the pid now is therefore not ours, and our
+            # group is empty: signalling the group would kill a stranger, e.g. a later
+            # etcd, which leads its own group. (With pid_max at 32,768 a test suite
+            # recycles every pid within minutes, and a server is killed again at close.)
+            return
         try:
             os.killpg(popen.pid, sig)
         except (ProcessLookupError, PermissionError):
@@ -226,6 +234,17 @@ class ManagedProcess:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     popen.wait(grace)
             return self.kill()  # reaps, and kills anything left in the group
+
+
+def _pid_in_use(pid: int) -> bool:
+    """Whether some process has ``pid`` now (signal 0: the existence check)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 _LIVE_LOCK = threading.Lock()
