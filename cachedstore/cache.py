@@ -360,8 +360,7 @@ class CoherentCache:
                 del self._scopes[scope.key or ""]
                 scope.removed = True
                 self._refloor()  # it may have been the last scope awaiting its creation
-        for waiter in waiters:
-            waiter.nudge()
+        self._nudge(waiters)
 
     def collapse(self, start: bytes, end: bytes) -> Scope:
         """Fall back to watching the whole prefix ``[start, end)``: every scope and entry
@@ -373,8 +372,7 @@ class CoherentCache:
                 return self._root
             root = self._new_root(start, end)
             waiters = self._all_waiters()
-        for waiter in waiters:
-            waiter.nudge()
+        self._nudge(waiters)
         return root
 
     def _new_root(self, start: bytes, end: bytes) -> Scope:
@@ -527,10 +525,41 @@ class CoherentCache:
         else:
             self._install(name, value, revision, mod_revision, woken)
 
-    @staticmethod
-    def _wake(woken: _Woken) -> None:
-        for waiter, value in woken:
-            waiter.wake(value)
+    def _wake(self, woken: _Woken) -> None:
+        """Wake ``woken`` (outside the lock); forget those nobody can be woken through."""
+        dead = [waiter for waiter, value in woken if not waiter.wake(value)]
+        if dead:
+            self._forget(dead)
+
+    def _nudge(self, waiters: list[Waiter]) -> None:
+        """Nudge ``waiters`` (outside the lock); forget those nobody can be woken through."""
+        dead = [waiter for waiter in waiters if not waiter.nudge()]
+        if dead:
+            self._forget(dead)
+
+    def _forget(self, dead: list[Waiter]) -> None:
+        """Unregister ``dead`` waiters: an :class:`AsyncWaiter` whose event loop was closed
+        with its coroutine still pending (a loop stopped without cancelling its tasks). The
+        coroutine's own removal never runs, and the waiter would count as a blocked reader
+        (:meth:`awaited`, which turns watch pacing off) for the store's life. Found at the
+        first wake or nudge that reaches it. Only blocking reads register such waiters. The
+        references go after the lock: the coroutine they free removes its waiter again (a
+        no-op now), which takes the lock."""
+        gone = {id(waiter) for waiter in dead}
+        with self._lock:
+            for table in (self._waiters, self._prefix_waiters):
+                for key, waiters in list(table.items()):
+                    kept = [w for w in waiters if id(w) not in gone]
+                    removed = len(waiters) - len(kept)
+                    if not removed:
+                        continue
+                    self._n_waiters -= removed
+                    self._n_blocked -= removed
+                    self._metrics.waiters.dec(removed)
+                    if kept:
+                        table[key] = kept
+                    else:
+                        del table[key]
 
     # -- the watch -------------------------------------------------------------------------
     def apply_events(self, events: Iterable[tuple[str, bytes | None, int]],
@@ -683,8 +712,7 @@ class CoherentCache:
                     self._install(name, None, revision, 0, woken)
             waiters = self._waiters_of(scope)
         self._wake(woken)
-        for waiter in waiters:
-            waiter.nudge()
+        self._nudge(waiters)
 
     # -- operations in flight (rules 3 and 4) --------------------------------------------------
     def begin(self, names: Iterable[str]) -> Ticket:
@@ -816,8 +844,7 @@ class CoherentCache:
         if rewound is None:
             return
         root, known, revision, waiters = rewound
-        for waiter in waiters:
-            waiter.nudge()
+        self._nudge(waiters)
         if self.on_rewind is not None:
             self.on_rewind(root, known, revision)
 
@@ -886,8 +913,7 @@ class CoherentCache:
         """Make every waiter re-check (on close, after a reset, after a fork)."""
         with self._lock:
             waiters = self._all_waiters()
-        for waiter in waiters:
-            waiter.nudge()
+        self._nudge(waiters)
 
     # -- introspection and lifecycle ---------------------------------------------------------------
     @property

@@ -25,12 +25,16 @@ class ThreadWaiter:
         self.event = threading.Event()
         self.value: bytes | None = None
 
-    def wake(self, value: bytes | None) -> None:
+    def wake(self, value: bytes | None) -> bool:
+        """Hand ``value`` over; True (a thread can always be woken)."""
         self.value = value
         self.event.set()
+        return True
 
-    def nudge(self) -> None:
+    def nudge(self) -> bool:
+        """Make the thread look again; True."""
         self.event.set()
+        return True
 
     def take(self) -> bytes | None:
         """After a wait returned: reset for the next wait and return the value handed
@@ -55,14 +59,19 @@ class AsyncWaiter:
         self.loop = loop
         self.future: asyncio.Future[bytes | None] = loop.create_future()
 
-    def wake(self, value: bytes | None) -> None:
+    def wake(self, value: bytes | None) -> bool:
+        """Hand ``value`` over through the loop (from any thread); False if the loop was
+        closed: nobody can be woken through this waiter any more, and its owner may never
+        remove it (its coroutine was left pending), so the cache forgets it."""
         try:
             self.loop.call_soon_threadsafe(_resolve, self.future, value)
-        except RuntimeError:  # the loop was closed: nobody is waiting any more
-            pass
+        except RuntimeError:
+            return False
+        return True
 
-    def nudge(self) -> None:
-        self.wake(None)
+    def nudge(self) -> bool:
+        """Make the coroutine look again; False if the loop was closed (see :meth:`wake`)."""
+        return self.wake(None)
 
     def renew(self) -> None:
         """Start a new wait (on the loop's thread) after the previous future resolved."""

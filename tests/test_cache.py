@@ -117,6 +117,27 @@ def test_waiters_woken_by_put_only_for_their_key():
     assert registry.get_sample_value("cachedstore_waiters") == 0
 
 
+def test_a_waiter_whose_loop_closed_is_forgotten_at_its_wake_or_nudge():
+    """A coroutine left pending when its loop closed never removes its waiter: the first
+    wake or nudge that finds the loop closed unregisters it (else it would count as a
+    blocked reader, which turns watch pacing off, for the store's life)."""
+    cache, registry = make()
+    live = ThreadWaiter()
+    cache.add_waiter("k", live)
+    for name in ("k", "j"):
+        loop = asyncio.new_event_loop()
+        cache.add_waiter(name, AsyncWaiter(loop))
+        loop.close()
+    cache.add_prefix_waiter("p/", AsyncWaiter(loop))
+    assert cache.n_waiters == 4 and cache.awaited()
+    cache.apply_events([("k", b"1", 3)], 3)  # a wake finds the loop closed
+    assert cache.n_waiters == 3 and live.value == b"1"
+    cache.remove_waiter("k", live)
+    cache.nudge_all()  # so does a nudge
+    assert cache.n_waiters == 0 and not cache.awaited()
+    assert registry.get_sample_value("cachedstore_waiters") == 0
+
+
 def test_async_waiter_woken_from_another_thread():
     cache, _ = make()
 

@@ -392,6 +392,26 @@ def test_many_async_waiters_hold_no_threads(etcd, prefix):
         assert asyncio.run(main()) == [str(i).encode() for i in range(200)]
 
 
+def test_an_aget_left_pending_by_a_closed_loop_does_not_stay_a_waiter(store, etcd, prefix):
+    """A loop stopped and closed with a blocking aget still pending (no asyncio.run, which
+    would cancel it): the coroutine never removes its waiter. Once the key is put, the
+    store no longer counts it, and its watch may be paced again."""
+    def abandoned_loop() -> None:
+        loop = asyncio.new_event_loop()
+        loop.create_task(store.aget("k", timeout=30))
+        loop.run_until_complete(asyncio.to_thread(
+            eventually, lambda: store.stats()["waiters"] == 1, 10, 0.005, "the aget waits"))
+        loop.close()
+
+    thread = threading.Thread(target=abandoned_loop, name="test-abandoned-loop")
+    thread.start()
+    thread.join(30)
+    assert store.stats()["waiters"] == 1
+    raw_client(etcd).put(prefix + "k", "v")
+    eventually(lambda: store.stats()["waiters"] == 0, 10, 0.01, "the dead waiter forgotten")
+    assert not store._cache.awaited()
+
+
 def test_amget(store):
     store.set("a", "1")
     store.get("a")
