@@ -584,21 +584,21 @@ class EtcdStore:
                     timeout: Timeout = None, *, consistent: bool = False) -> list[Any]:
         """asyncio :meth:`mget`: all hits → no thread hop; misses read on the executor;
         ``timeout`` covers the whole call. ``consistent=True``: linearizable."""
-        names = names_list(names)
-        if consistent:
-            return list(await self._async.mget("amget", names, default, timeout, True))
-        lookup = self._lookup
-        results: list[Any] = []
-        for name in names:
-            entry = lookup(name)
-            if entry is None or entry[0].__class__ is not bytes:
-                break
-            results.append(entry[0])
-        else:
-            self.metrics.hit["amget"].inc(len(names))
-            return results
-        started = time.perf_counter()
+        started = time.perf_counter()  # every call is observed, as mget's are
         try:
+            names = names_list(names)
+            if consistent:
+                return list(await self._async.mget("amget", names, default, timeout, True))
+            lookup = self._lookup
+            results: list[Any] = []
+            for name in names:
+                entry = lookup(name)
+                if entry is None or entry[0].__class__ is not bytes:
+                    break
+                results.append(entry[0])
+            else:
+                self.metrics.hit["amget"].inc(len(names))
+                return results
             return list(await self._async.mget("amget", names, default, timeout))
         finally:
             self._duration["amget"].observe(time.perf_counter() - started)

@@ -425,6 +425,29 @@ def test_amget(store):
     asyncio.run(main())
 
 
+def test_every_mget_and_amget_is_observed_hit_miss_or_consistent(store):
+    """The duration histogram samples both fronts alike: every mget and amget call, all
+    hits, with a miss, or consistent (amget observed only the calls with a miss)."""
+    store.set("a", "1")
+    store.get("a")
+    registry = store.registry
+
+    def observed(op: str) -> float:
+        return sample(registry, "cachedstore_request_duration_seconds_count", op=op)
+
+    async def amgets() -> None:
+        assert await store.amget(["a"]) == [b"1"]
+        assert await store.amget(["a", "b"], default=None) == [b"1", None]
+        assert await store.amget(["a"], consistent=True) == [b"1"]
+
+    before = observed("mget"), observed("amget")
+    assert store.mget(["a"]) == [b"1"]
+    assert store.mget(["a", "b"], default=None) == [b"1", None]
+    assert store.mget(["a"], consistent=True) == [b"1"]
+    asyncio.run(amgets())
+    assert (observed("mget") - before[0], observed("amget") - before[1]) == (3, 3)
+
+
 def test_small_prefix_is_preloaded_and_blocking_reads_need_no_etcd_read(etcd, prefix):
     raw = raw_client(etcd)
     raw.put(prefix + "a", "1")
