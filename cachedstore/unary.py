@@ -153,12 +153,16 @@ class _Http2:
     """
 
     def __init__(self, address: tuple[str, int], authority: str, tls: ssl.SSLContext | None,
-                 deadline: float) -> None:
+                 deadline: float,
+                 connected: Callable[[_Http2], None] | None = None) -> None:
         """Connect (TCP, TLS, and HTTP/2 up to etcd's SETTINGS) by ``deadline`` (a
         ``time.monotonic()`` value); raises WireError UNAVAILABLE "failed to connect ..."
-        otherwise: nothing was sent that etcd could act on."""
+        otherwise: nothing was sent that etcd could act on. ``connected(self)`` is called
+        once the TCP connection is up, before the handshake, which :meth:`interrupt` cuts
+        from then on; what it raises fails the connection."""
         self.authority = authority
         self.pid = os.getpid()
+        self.interrupted = False
         self.idle_since = 0.0
         self.reusable = True
         self._tls = tls is not None
@@ -204,6 +208,8 @@ class _Http2:
             raise WireError(grpc.StatusCode.UNAVAILABLE,
                             f"failed to connect to {authority}: {exc}") from None
         try:
+            if connected is not None:
+                connected(self)
             self._handshake(address[0], tls, deadline)
         except BaseException as exc:
             self.sock.close()
@@ -232,7 +238,13 @@ class _Http2:
         proxy with nothing behind it, fails here, as never sent)."""
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if tls is not None:
-            self.sock = tls.wrap_socket(self.sock, server_hostname=host)
+            # The TLS handshake runs on the wrapped socket, which interrupt() can shut down
+            # (one during the wrap found the plain socket detached: hence the check).
+            self.sock = tls.wrap_socket(self.sock, server_hostname=host,
+                                        do_handshake_on_connect=False)
+            if self.interrupted:
+                raise ConnectionError("interrupted")
+            self.sock.do_handshake()
             if self.sock.selected_alpn_protocol() != "h2":
                 raise WireError(grpc.StatusCode.UNAVAILABLE,
                                 "the endpoint did not agree to HTTP/2")
@@ -597,9 +609,11 @@ class _Http2:
         return self.reusable
 
     def interrupt(self) -> None:
-        """End a call in progress on another thread (its waits fail at once): shut the
-        TCP socket down, under TLS too (``SSLSocket.shutdown`` would first drop the TLS
-        object, and a send racing it would go out in clear). Its owner closes it."""
+        """End a call or a handshake in progress on another thread (its waits fail at
+        once): shut the TCP socket down, under TLS too (``SSLSocket.shutdown`` would first
+        drop the TLS object, and a send racing it would go out in clear). Its owner closes
+        it."""
+        self.interrupted = True
         if self.pid == os.getpid():
             try:
                 socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
@@ -635,6 +649,9 @@ class UnaryChannel:
         self._lock = threading.Lock()
         self._idle: list[_Http2] = []
         self._open: set[_Http2] = set()
+        #: Connections in their handshake (close() cuts them: a silent or stopped etcd
+        #: would otherwise hold their threads until the connect timeout).
+        self._connecting: set[_Http2] = set()
         self._closed = False
         self._pid = os.getpid()
         #: Connections opened so far (tests count them against a proxy's accepts).
@@ -753,8 +770,26 @@ class UnaryChannel:
             if usable:
                 return conn
             self._discard(conn)
-        conn = _Http2(self._address, self._target, self._tls,
-                      min(time.monotonic() + self._connect_timeout, deadline))
+        begun: list[_Http2] = []
+
+        def connected(conn: _Http2) -> None:
+            with self._lock:
+                if self._closed:
+                    raise ConnectionError("the channel is closed")
+                self._connecting.add(conn)
+                begun.append(conn)
+
+        try:
+            conn = _Http2(self._address, self._target, self._tls,
+                          min(time.monotonic() + self._connect_timeout, deadline), connected)
+        except WireError:
+            if self._closed:
+                raise WireError(grpc.StatusCode.UNAVAILABLE, "the channel is closed") from None
+            raise
+        finally:
+            if begun:
+                with self._lock:
+                    self._connecting.discard(begun[0])
         with self._lock:
             self.opened += 1
             if not self._closed:
@@ -779,6 +814,7 @@ class UnaryChannel:
         self._lock = threading.Lock()
         self._finishing = set()  # the parent's threads: not in this process
         conns, self._open, self._idle = list(self._open), set(), []
+        self._connecting = set()  # the parent's threads' handshakes
         self._pid = os.getpid()
         for conn in conns:
             conn.close()  # not shut down: the connection is the parent's
@@ -797,13 +833,15 @@ class UnaryChannel:
         conn.close()
 
     def close(self) -> None:
-        """Close every connection; calls in flight fail (UNAVAILABLE), and their threads
+        """Close every connection; calls in flight and connections in their handshake fail
+        at once (UNAVAILABLE "the channel is closed" for a handshake), and their threads
         close their connections. Idempotent."""
         with self._lock:
             self._closed = True
             idle = self._idle
             busy = [conn for conn in self._open if conn not in idle]
-            self._open, self._idle = set(), []
+            busy.extend(self._connecting)
+            self._open, self._idle, self._connecting = set(), [], set()
         for conn in idle:
             conn.close()
         for conn in busy:

@@ -380,6 +380,104 @@ def _silent_peer() -> tuple[_Peer, threading.Event]:
     return _Peer(silent), done
 
 
+def test_close_cuts_a_connection_in_its_handshake() -> None:
+    """A call whose new connection waits for the peer's SETTINGS (a stopped etcd accepts
+    and stays silent) fails as soon as the channel is closed, not at its connect timeout:
+    a store's close() waits for its executor's threads, and an asyncio caller's event loop
+    with it."""
+    preface_read, done = threading.Event(), threading.Event()
+
+    def mute(conn: socket.socket) -> None:
+        _read_preface(conn)  # sent after the connection was registered as connecting
+        preface_read.set()
+        done.wait(30)
+
+    peer = _Peer(mute)
+    channel, rpc = _channel(peer.target, connect_timeout=20)
+    failures: list[grpc.RpcError] = []
+
+    def call() -> None:
+        try:
+            rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=20)
+        except grpc.RpcError as exc:
+            failures.append(exc)
+
+    caller = threading.Thread(target=call, name="test-unary-caller")
+    try:
+        caller.start()
+        assert preface_read.wait(10)
+        started = time.monotonic()
+        channel.close()
+        caller.join(5)
+        assert not caller.is_alive(), "the handshake went on after close()"
+        assert time.monotonic() - started < 5
+        (error,) = failures
+        assert error.code() is grpc.StatusCode.UNAVAILABLE
+        assert error.details() == "the channel is closed"
+    finally:
+        done.set()
+        caller.join(30)
+        peer.close()
+
+
+class _ClosingOnWrap(ssl.SSLContext):
+    """A client context whose wrap closes ``channel`` as it returns: a close() that lands
+    while the TLS socket replaces the plain one (whose shutdown then finds it detached)."""
+
+    channel: UnaryChannel | None = None
+
+    def wrap_socket(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        wrapped = super().wrap_socket(*args, **kwargs)
+        if self.channel is not None:
+            self.channel.close()
+        return wrapped
+
+
+@pytest.mark.parametrize("when", ["in the TLS handshake", "as the socket is wrapped"])
+def test_close_cuts_a_connection_in_its_tls_handshake(when: str) -> None:
+    """Under TLS too: a peer that accepts and never answers the ClientHello."""
+    hello_read, done = threading.Event(), threading.Event()
+
+    def mute(conn: socket.socket) -> None:
+        conn.settimeout(5)
+        if conn.recv(1 << 16):  # the ClientHello
+            hello_read.set()
+        done.wait(30)
+
+    peer = _Peer(mute)
+    tls = _ClosingOnWrap(ssl.PROTOCOL_TLS_CLIENT)
+    tls.set_alpn_protocols(["h2"])
+    tls.check_hostname, tls.verify_mode = False, ssl.CERT_NONE
+    channel, rpc = _channel(peer.target, tls, connect_timeout=20)
+    if when == "as the socket is wrapped":
+        tls.channel = channel
+    failures: list[grpc.RpcError] = []
+
+    def call() -> None:
+        try:
+            rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=20)
+        except grpc.RpcError as exc:
+            failures.append(exc)
+
+    caller = threading.Thread(target=call, name="test-unary-caller")
+    try:
+        started = time.monotonic()
+        caller.start()
+        if when == "in the TLS handshake":
+            assert hello_read.wait(10)
+            channel.close()
+        caller.join(5)
+        assert not caller.is_alive(), "the TLS handshake went on after close()"
+        assert time.monotonic() - started < 5
+        (error,) = failures
+        assert error.code() is grpc.StatusCode.UNAVAILABLE
+        assert error.details() == "the channel is closed"
+    finally:
+        done.set()
+        caller.join(30)
+        peer.close()
+
+
 def test_a_silent_peer_times_the_call_out_and_the_connection_is_dropped() -> None:
     peer, done = _silent_peer()
     channel, rpc = _channel(peer.target)
