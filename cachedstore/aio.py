@@ -1,11 +1,15 @@
 """asyncio reads: ``aget``/``amget`` past the hot path, without blocking the event loop.
 
-etcd round trips run on a small per-store thread pool, created on first use; blocking
-waits hold no thread (an :class:`~cachedstore.waiters.AsyncWaiter` is woken through the
-loop). A call's timeout covers the whole call, however many keys it waits for. Once the
-store is closed every call raises :class:`~cachedstore.StoreClosedError`, including calls
-in flight when it closed; a coroutine cancelled by its own caller still sees
-``CancelledError``.
+etcd round trips run on a per-store thread pool of up to :data:`MAX_WORKERS` threads,
+created as needed; blocking waits hold no thread (an
+:class:`~cachedstore.waiters.AsyncWaiter` is woken through the loop). A call's timeout
+covers the whole call, however many keys it waits for, and however long its round trips
+wait for a free thread: one still queued at its read's deadline (but never sooner than
+250 ms after it was queued) fails as if etcd had not answered in time, with
+:class:`~cachedstore.EtcdConnectionError` (a blocking read then times out, its default
+answering if it has one). Once the store is closed every call raises
+:class:`~cachedstore.StoreClosedError`, including calls in flight when it closed; a
+coroutine cancelled by its own caller still sees ``CancelledError``.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from .errors import StoreClosedError
+from .clock import Clock
+from .errors import EtcdConnectionError, StoreClosedError
 from .reads import ReadThrough, Timeout
 from .steps import Call, Pause, Steps, resume
 from .waiters import AsyncWaiter
@@ -25,33 +30,69 @@ __all__ = ["AsyncFront"]
 
 T = TypeVar("T")
 
+#: The most threads a store's asyncio reads run etcd round trips on at once. Waits hold
+#: none; a thread is held by a round trip (up to ``request_timeout`` each in an outage,
+#: when every blocked read retries etcd). The bound keeps a flood of concurrent misses from
+#: opening as many connections to etcd.
+MAX_WORKERS = 32
+
 
 class AsyncFront:
     """The asyncio side of one store. Safe to use from any number of event loops."""
 
-    def __init__(self, reads: ReadThrough, thread_name: str) -> None:
+    def __init__(self, reads: ReadThrough, thread_name: str, clock: Clock) -> None:
         self._reads = reads
+        self._clock = clock
         self._thread_name = thread_name
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._closed = False
 
     # -- the executor ---------------------------------------------------------------------------
-    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` on the store's thread pool; StoreClosedError once closed."""
+    async def run(self, fn: Callable[..., Any], *args: Any, start_by: float | None = None
+                  ) -> Any:
+        """``fn(*args)`` on the store's thread pool; StoreClosedError once closed.
+        ``start_by`` (the store's clock): EtcdConnectionError if no thread took the call
+        by then (it is never started)."""
         with self._lock:
             if self._closed:
                 raise StoreClosedError("the store is closed")
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(
-                    max_workers=4, thread_name_prefix=self._thread_name)
+                    max_workers=MAX_WORKERS, thread_name_prefix=self._thread_name)
             future: Future[Any] = self._executor.submit(fn, *args)
         try:
-            return await asyncio.wrap_future(future)
+            result = await self._answered(future, start_by)
         except asyncio.CancelledError:
-            if future.cancelled() and self._closed:  # cancelled by close(), not the caller
+            closed = future.cancelled() and self._closed  # by close(), not the caller
+            future.cancel()  # a call still queued never starts (the shield kept it)
+            if closed:
                 raise StoreClosedError("the store was closed") from None
             raise
+        if self._closed:  # a call in flight as the store closed
+            raise StoreClosedError("the store was closed")
+        return result
+
+    async def _answered(self, future: Future[Any], start_by: float | None) -> Any:
+        """``future``'s result: EtcdConnectionError if it is still queued at ``start_by``
+        (the store's clock), and then it is never started."""
+        answer = asyncio.wrap_future(future)
+        if start_by is None:
+            return await answer
+        left = max(0.0, start_by - self._clock.monotonic())
+        try:
+            return await asyncio.wait_for(asyncio.shield(answer), left)
+        except asyncio.TimeoutError:
+            if future.cancel():  # still queued: it never reached etcd
+                raise EtcdConnectionError(
+                    f"etcd was not asked in time: the store's {MAX_WORKERS} threads for "
+                    f"asyncio reads were all busy until the read's deadline") from None
+            return await answer  # started: bounded by its own round trip's deadline
+
+    def refuse(self) -> None:
+        """Refuse new work from now on, and fail the calls in flight as they end (the
+        store's close() begins with it; :meth:`close` ends it)."""
+        self._closed = True
 
     def close(self) -> None:
         """Refuse new work, cancel what has not started, wait for what has (it fails fast:
@@ -83,7 +124,7 @@ class AsyncFront:
         too) to throw into the logic."""
         try:
             if step.__class__ is Call:
-                return await self.run(step.fn, *step.args), None
+                return await self.run(step.fn, *step.args, start_by=step.start_by), None
             if step.__class__ is Pause:
                 return await self._pause(step.waiter, step.seconds), None
             return AsyncWaiter(asyncio.get_running_loop()), None

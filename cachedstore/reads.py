@@ -147,6 +147,15 @@ class ReadThrough:
         """The deadline of a wait of ``wait`` seconds (None: not blocking)."""
         return None if wait is None else self._clock.monotonic() + wait
 
+    def start_by(self, deadline: float | None) -> float | None:
+        """When a round trip of a read with ``deadline`` must have started (a queued call:
+        :class:`~cachedstore.steps.Call`): the deadline, but never sooner than
+        :data:`MIN_ROUND_TRIP` from now (as :meth:`call_deadline` floors a call); None for
+        a read without a deadline."""
+        if deadline is None:
+            return None
+        return max(deadline, self._clock.monotonic() + MIN_ROUND_TRIP)
+
     def call_deadline(self, deadline: float | None) -> float:
         """An etcd round trip's deadline: the request timeout, cut to the wait's deadline
         but never below :data:`MIN_ROUND_TRIP` from now, so that a wait of 0 s (or one
@@ -470,7 +479,8 @@ class ReadThrough:
                     value = None
                 else:
                     try:
-                        value = (yield Call(self.fetch, ([name], deadline))).get(name)
+                        value = (yield Call(self.fetch, ([name], deadline),
+                                            self.start_by(deadline))).get(name)
                         outage = None
                     except EtcdConnectionError as exc:
                         value, outage = None, exc
@@ -559,7 +569,8 @@ class ReadThrough:
         self._check_open()
         deadline = self.deadline(wait)
         if consistent:
-            entry = yield Call(self.consistent_entry, (canonical, deadline))
+            entry = yield Call(self.consistent_entry, (canonical, deadline),
+                               self.start_by(deadline))
         else:
             entry = self.cached(canonical, blocking=wait is not None)
         (self._metrics.hit if entry is not None else self._metrics.miss)[op].inc()
@@ -569,7 +580,8 @@ class ReadThrough:
         elif deadline is None or consistent:
             # A consistent read whose scope the watch has not brought up to date reads
             # etcd before any wait: the wait's look at the cache would be coherent only.
-            value = (yield Call(self.fetch, ([canonical], deadline))).get(canonical)
+            value = (yield Call(self.fetch, ([canonical], deadline),
+                                self.start_by(deadline))).get(canonical)
         while True:
             if value is None and deadline is not None:
                 value = yield from self._waited(canonical, deadline, timeout, default)
@@ -597,7 +609,7 @@ class ReadThrough:
         outage: EtcdConnectionError | None = None
         try:
             values, served = yield Call(self.resolve, (unique, wait is not None, deadline,
-                                                       consistent))
+                                                       consistent), self.start_by(deadline))
         except EtcdConnectionError as exc:
             if deadline is None or consistent or not wait:
                 # Not a wait (a zero timeout is a look: its caller retries, as torch's

@@ -36,10 +36,15 @@ T = TypeVar("T")
 
 
 class Call(NamedTuple):
-    """An etcd round trip (or any blocking call): answered with ``fn(*args)``."""
+    """An etcd round trip (or any blocking call): answered with ``fn(*args)``.
+    ``start_by`` (a time of the store's clock, or None): a driver that queues calls (the
+    asyncio one, on the store's executor) answers a call still queued then with
+    EtcdConnectionError, as if etcd had not answered in time; the thread driver starts
+    every call at once."""
 
     fn: Callable[..., Any]
     args: tuple[Any, ...]
+    start_by: float | None = None
 
 
 class Pause(NamedTuple):

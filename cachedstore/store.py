@@ -229,7 +229,7 @@ class EtcdStore:
         self._reads = ReadThrough(self._conn, self._keys, self._cache, cfg, self.metrics,
                                   clock, self._check_open, self._stale_allowed, self._opener)
         self._writes = Writer(self._conn, self._keys, self._cache, cfg, self._check_open)
-        self._aio = AsyncFront(self._reads, f"cachedstore-aio-{self._id}")
+        self._aio = AsyncFront(self._reads, f"cachedstore-aio-{self._id}", clock)
         #: Versioned reads and conditional writes (``read``, ``put_if``, ``read_many``,
         #: ``put_many_if``): the rendezvous backend's primitives.
         self.versioned = VersionedKeys(self._writes)
@@ -540,8 +540,12 @@ class EtcdStore:
     async def aget(self, name: Name, default: Any = MISSING, timeout: Timeout = None, *,
                    consistent: bool = False) -> Any:
         """asyncio :meth:`get`. A hit returns without leaving the event loop's thread; an
-        etcd read runs on the store's small executor; a blocking wait holds no thread.
-        Raises StoreClosedError if the store is closed meanwhile. ``consistent=True``:
+        etcd read runs on the store's executor (up to 32 threads, see ``aio.py``); a
+        blocking wait holds no thread. ``timeout`` covers waiting for an executor thread
+        too: a blocking aget outlasts it as a blocking get does (250 ms at most), or by
+        500 ms at most when its last round trip had to wait for a thread; a round trip
+        that found none by the deadline is unanswered, as in an outage. Raises
+        StoreClosedError if the store is closed meanwhile. ``consistent=True``:
         linearizable, as for :meth:`get` (its revision request and catch-up run on the
         executor)."""
         if consistent:
@@ -764,6 +768,9 @@ class EtcdStore:
         _live.discard(self)
         if forked:
             return  # the parent's threads and channels are not ours to touch
+        aio = getattr(self, "_aio", None)
+        if aio is not None:
+            aio.refuse()  # before the connection is cut: what that fails is "closed"
         cache = getattr(self, "_cache", None)
         if cache is not None:
             cache.close()
@@ -778,7 +785,6 @@ class EtcdStore:
             conn.close()  # RPCs in flight (a resync's reads included) fail fast now
         if watcher is not None:
             watcher.stop()
-        aio = getattr(self, "_aio", None)
         if aio is not None:
             aio.close()
 

@@ -8,7 +8,7 @@ import time
 from datetime import timedelta
 
 import pytest
-from util import eventually, raw_client, rpc_count, sample
+from util import BusyPool, eventually, raw_client, rpc_count, sample
 
 import cachedstore
 from cachedstore import (
@@ -373,7 +373,7 @@ def test_aget_miss_default_and_timeout(store):
 
 
 def test_many_async_waiters_hold_no_threads(etcd, prefix):
-    """200 coroutines block on absent keys; the 4-thread executor is not held by them."""
+    """200 coroutines block on absent keys; the executor's threads are not held by them."""
     with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix) as store:
         async def main():
             tasks = [asyncio.ensure_future(store.aget(f"k{i}", timeout=30)) for i in range(200)]
@@ -410,6 +410,40 @@ def test_an_aget_left_pending_by_a_closed_loop_does_not_stay_a_waiter(store, etc
     raw_client(etcd).put(prefix + "k", "v")
     eventually(lambda: store.stats()["waiters"] == 0, 10, 0.01, "the dead waiter forgotten")
     assert not store._cache.awaited()
+
+
+def test_an_agets_timeout_covers_its_wait_for_an_executor_thread(etcd, prefix):
+    """With every thread of the store's asyncio executor busy (the calls of reads cancelled
+    meanwhile, or of blocked reads retrying an unreachable etcd), a blocking aget or amget
+    ends at its deadline (StoreTimeoutError, caused by the read nobody could send; the
+    default if given), as a blocking get would, not once a thread is free. (No preload:
+    the cache does not know the key is absent, so the reads must ask etcd.)"""
+    store = EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, preload_limit=0)
+
+    async def main() -> list[float]:
+        took = []
+        async with BusyPool(store._aio):
+            for read in (lambda: store.aget("absent", timeout=0.5),
+                         lambda: store.amget(["absent"], timeout=0.5)):
+                started = time.monotonic()
+                with pytest.raises(StoreTimeoutError) as timed_out:
+                    await asyncio.wait_for(read(), 20)
+                took.append(time.monotonic() - started)
+                assert isinstance(timed_out.value.__cause__, EtcdConnectionError)
+            assert await asyncio.wait_for(store.aget("absent", 7, timeout=0.5), 20) == 7
+            started = time.monotonic()
+            with pytest.raises(EtcdConnectionError):  # a consistent read: the error answers
+                await asyncio.wait_for(store.aget("absent", 7, timeout=0.5, consistent=True),
+                                       20)
+            took.append(time.monotonic() - started)
+            assert await asyncio.wait_for(
+                store.amget(["absent"], default=7, timeout=0.5), 20) == [7]
+        return took
+
+    try:
+        assert all(t < 2.0 for t in asyncio.run(main()))
+    finally:
+        store.close()
 
 
 def test_amget(store):

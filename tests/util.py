@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import asyncio
 import shutil
 import subprocess
 import threading
@@ -16,6 +17,7 @@ import etcd3
 import grpc
 from prometheus_client import CollectorRegistry
 
+from cachedstore.aio import MAX_WORKERS, AsyncFront
 from cachedstore.server import LocalEtcd
 from cachedstore.server.binaries import find_etcd_binary
 
@@ -192,3 +194,27 @@ def restore_backup(server: LocalEtcd, backup: Path, scratch: Path) -> None:
     shutil.rmtree(server.data_dir)
     shutil.move(str(restored), str(server.data_dir))
     server.restart()
+
+
+class BusyPool:
+    """Every thread of ``front``'s executor held by a call that waits for ``release``."""
+
+    def __init__(self, front: AsyncFront) -> None:
+        self.release = threading.Event()
+        self._started = threading.Semaphore(0)
+        self._front = front
+
+    def _hold(self) -> None:
+        self._started.release()
+        self.release.wait(30)
+
+    async def __aenter__(self) -> BusyPool:
+        self._tasks = [asyncio.ensure_future(self._front.run(self._hold))
+                       for _ in range(MAX_WORKERS)]
+        for _ in range(MAX_WORKERS):  # every thread took one
+            assert await asyncio.to_thread(self._started.acquire, True, 10)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release.set()
+        await asyncio.gather(*self._tasks)
