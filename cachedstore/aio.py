@@ -20,7 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from .clock import Clock
+from .clock import Clock, SystemClock
 from .errors import EtcdConnectionError, StoreClosedError
 from .reads import ReadThrough, Timeout
 from .steps import Call, Pause, Steps, resume
@@ -35,6 +35,9 @@ T = TypeVar("T")
 #: when every blocked read retries etcd). The bound keeps a flood of concurrent misses from
 #: opening as many connections to etcd.
 MAX_WORKERS = 32
+
+#: How often a pause on a clock other than the system's reads it (real seconds).
+_CLOCK_POLL = 0.002
 
 
 class AsyncFront:
@@ -131,13 +134,23 @@ class AsyncFront:
         except BaseException as exc:  # noqa: BLE001 -- thrown into the logic
             return None, exc
 
-    @staticmethod
-    async def _pause(waiter: AsyncWaiter, seconds: float) -> bytes | None:
-        try:
-            value = await asyncio.wait_for(asyncio.shield(waiter.future), seconds)
-        except asyncio.TimeoutError:
-            value = None
-        if waiter.future.done():
+    async def _pause(self, waiter: AsyncWaiter, seconds: float) -> bytes | None:
+        """Until the watch wakes ``waiter`` or ``seconds`` pass on the store's clock: the
+        loop's timer on the system clock; another clock (a test's FakeClock, whose time
+        moves when the test says) is read every :data:`_CLOCK_POLL` seconds, as FakeClock
+        polls for threads."""
+        future = waiter.future
+        if self._clock.__class__ is SystemClock:
+            try:
+                value = await asyncio.wait_for(asyncio.shield(future), seconds)
+            except asyncio.TimeoutError:
+                value = None
+        else:
+            deadline = self._clock.monotonic() + seconds
+            while not future.done() and self._clock.monotonic() < deadline:
+                await asyncio.wait((future,), timeout=_CLOCK_POLL)
+            value = future.result() if future.done() else None
+        if future.done():
             waiter.renew()
         return value
 

@@ -446,6 +446,23 @@ def test_an_agets_timeout_covers_its_wait_for_an_executor_thread(etcd, prefix):
         store.close()
 
 
+def test_an_agets_wait_runs_on_the_stores_clock(etcd, prefix):
+    """A blocking aget's pauses read the store's clock, as get's do: on a test's FakeClock
+    it ends once the clock passes its deadline, not after its timeout of real time."""
+    from cachedstore.clock import FakeClock
+
+    clock = FakeClock()
+    with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, clock=clock) as store:
+        async def main():
+            read = asyncio.ensure_future(store.aget("absent", "none", timeout=600))
+            await asyncio.to_thread(
+                eventually, lambda: store.stats()["waiters"] == 1, 10, 0.005, "the wait")
+            clock.advance(601)
+            return await asyncio.wait_for(read, 10)
+
+        assert asyncio.run(main()) == "none"
+
+
 def test_amget(store):
     store.set("a", "1")
     store.get("a")
