@@ -77,6 +77,7 @@ splitting them would spread one invariant over several objects.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import heapq
 import sys
@@ -261,6 +262,8 @@ class CoherentCache:
         self._prefix_waiters: dict[str, list[Waiter]] = {}
         self._n_waiters = 0
         self._n_blocked = 0  # waiters a thread or coroutine is blocked on (not knowledge)
+        #: Removals a finalizer could not make at once (:meth:`remove_waiter_soon`).
+        self._removals: collections.deque[tuple[str, Waiter]] = collections.deque()
         #: Called (outside the lock, on the registering thread) when a blocking waiter is
         #: added: the store has the watch stop pacing (``StoreConfig.watch_pacing``).
         self.on_waiter: Callable[[], None] | None = None
@@ -855,6 +858,20 @@ class CoherentCache:
     def remove_waiter(self, name: str, waiter: Waiter) -> None:
         self._unregister(self._waiters, name, waiter, True)
 
+    def remove_waiter_soon(self, name: str, waiter: Waiter) -> None:
+        """:meth:`remove_waiter` for a finalizer: it never waits for the lock. The garbage
+        collector closes an abandoned read's logic (an aget whose event loop is gone: its
+        task and waiter form a cycle) on whatever thread it runs, which may be holding
+        this lock. Done now if the lock is free, else by the next thread that registers or
+        removes a waiter (until then the waiter is counted, and woken in vain)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._unregister_held(self._waiters, name, waiter, True)
+            finally:
+                self._lock.release()
+        else:
+            self._removals.append((name, waiter))  # (atomic: no lock)
+
     def add_prefix_waiter(self, prefix: str, waiter: Waiter, *, blocking: bool = True) -> None:
         """Wake ``waiter`` on every put of a name starting with ``prefix`` (queues).
         ``blocking=False``: nobody waits on it (it marks knowledge that a put ends), so it
@@ -868,6 +885,8 @@ class CoherentCache:
     def _register(self, table: dict[str, list[Waiter]], key: str, waiter: Waiter,
                   blocking: bool) -> None:
         with self._lock:
+            if self._removals:
+                self._remove_later_ones()
             table.setdefault(key, []).append(waiter)
             self._n_waiters += 1
             self._n_blocked += blocking
@@ -879,16 +898,28 @@ class CoherentCache:
     def _unregister(self, table: dict[str, list[Waiter]], key: str, waiter: Waiter,
                     blocking: bool) -> None:
         with self._lock:
-            waiters = table.get(key)
-            if waiters is None:
-                return
-            with contextlib.suppress(ValueError):
-                waiters.remove(waiter)
-                self._n_waiters -= 1
-                self._n_blocked -= blocking
-                self._metrics.waiters.dec()
-            if not waiters:
-                del table[key]
+            if self._removals:
+                self._remove_later_ones()
+            self._unregister_held(table, key, waiter, blocking)
+
+    def _unregister_held(self, table: dict[str, list[Waiter]], key: str, waiter: Waiter,
+                         blocking: bool) -> None:
+        waiters = table.get(key)
+        if waiters is None:
+            return
+        with contextlib.suppress(ValueError):
+            waiters.remove(waiter)
+            self._n_waiters -= 1
+            self._n_blocked -= blocking
+            self._metrics.waiters.dec()
+        if not waiters:
+            del table[key]
+
+    def _remove_later_ones(self) -> None:
+        """Under the lock: the removals :meth:`remove_waiter_soon` left."""
+        while self._removals:
+            name, waiter = self._removals.popleft()
+            self._unregister_held(self._waiters, name, waiter, True)
 
     def _waiters_of(self, scope: Scope) -> list[Waiter]:
         """The waiters a reset of ``scope`` concerns: all of them for the root, else those

@@ -491,6 +491,13 @@ class ReadThrough:
                 value = yield Pause(waiter, self.pause(name, deadline, timeout, outage))
                 if value is not None:
                     return value
+        except GeneratorExit:
+            # Closed unfinished: by the garbage collector (an aget whose event loop is
+            # gone), on any thread, maybe one that holds the cache's lock: no waiting.
+            if waiter is not None:
+                cache.remove_waiter_soon(name, waiter)
+                waiter = None
+            raise
         finally:
             if waiter is not None:
                 cache.remove_waiter(name, waiter)

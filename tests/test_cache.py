@@ -138,6 +138,24 @@ def test_a_waiter_whose_loop_closed_is_forgotten_at_its_wake_or_nudge():
     assert registry.get_sample_value("cachedstore_waiters") == 0
 
 
+def test_a_removal_that_finds_the_lock_held_is_made_by_the_next_registration():
+    """``remove_waiter_soon`` (a finalizer's) never waits: with the lock held, by the
+    collector's own thread here, it leaves the removal to the next thread that registers
+    or removes a waiter."""
+    cache, registry = make()
+    waiter = ThreadWaiter()
+    cache.add_waiter("k", waiter)
+    with cache._lock:
+        cache.remove_waiter_soon("k", waiter)
+    assert cache.n_waiters == 1
+    other = ThreadWaiter()
+    cache.add_waiter("j", other)
+    assert cache.n_waiters == 1 and "k" not in cache._waiters
+    cache.remove_waiter("j", other)
+    cache.remove_waiter_soon("j", other)  # the lock free: at once (here, nothing left)
+    assert cache.n_waiters == 0 and registry.get_sample_value("cachedstore_waiters") == 0
+
+
 def test_async_waiter_woken_from_another_thread():
     cache, _ = make()
 

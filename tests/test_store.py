@@ -476,6 +476,54 @@ def test_amget(store):
     asyncio.run(main())
 
 
+def test_an_abandoned_agets_cleanup_never_waits_for_the_cache_lock(store, etcd, prefix,
+                                                                   monkeypatch):
+    """An aget left pending by a closed loop is a reference cycle (task, coroutine, its
+    waiter's future) that only the garbage collector frees, at any allocation, on any
+    thread: one holding the cache's lock too. Its cleanup must not wait for that lock
+    (the thread would wait for itself, and the store with it). Forced here: collection
+    off until the writer's install, under the lock, collects."""
+    import gc
+
+    import cachedstore.cache as cache_module
+
+    gc.disable()
+    try:
+        def abandoned_loop() -> None:
+            loop = asyncio.new_event_loop()
+            loop.create_task(store.aget("k", timeout=30))
+            loop.run_until_complete(asyncio.to_thread(
+                eventually, lambda: store.stats()["waiters"] == 1, 10, 0.005, "the wait"))
+            loop.close()
+
+        thread = threading.Thread(target=abandoned_loop, name="test-abandoned-loop")
+        thread.start()
+        thread.join(30)
+        raw_client(etcd).put(prefix + "k", "v")  # its wake finds the loop closed
+        eventually(lambda: store.stats()["waiters"] == 0, 10, 0.01, "the waiter forgotten")
+        stored, collected = cache_module.stored, []
+
+        def stored_after_collecting(value):
+            if not collected:
+                collected.append(store._cache._lock.locked())
+                gc.collect()  # what any allocation under the lock may start
+            return stored(value)
+
+        monkeypatch.setattr(cache_module, "stored", stored_after_collecting)
+        done = threading.Event()
+        writer = threading.Thread(target=lambda: (store.set("x", "1"), done.set()),
+                                  name="test-writer", daemon=True)
+        writer.start()
+        finished = done.wait(10)
+        if not finished:  # unblock the store for its teardown (a plain Lock: any thread)
+            store._cache._lock.release()
+        assert finished, "the collector's cleanup waited for the lock its thread held"
+        assert collected == [True]
+        assert store.stats()["waiters"] == 0
+    finally:
+        gc.enable()
+
+
 def test_every_mget_and_amget_is_observed_hit_miss_or_consistent(store):
     """The duration histogram samples both fronts alike: every mget and amget call, all
     hits, with a miss, or consistent (amget observed only the calls with a miss)."""
