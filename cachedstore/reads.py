@@ -594,7 +594,7 @@ class ReadThrough:
                 value = yield from self._waited(canonical, deadline, timeout, default)
             if not counters.is_mark(value):
                 break
-            value = yield Call(self.decimal, (canonical, value))
+            value = yield Call(self.decimal, (canonical, value), self.start_by(deadline))
             if value is not None or deadline is None:
                 break
             # The counter was deleted meanwhile: a blocking read waits for it again.
@@ -650,7 +650,7 @@ class ReadThrough:
         # between the wait and the read of its value is waited for again (as by ``get``).
         while op != "wait" and any(counters.is_mark(v) for v in values.values()):
             marked = [name for name, v in values.items() if counters.is_mark(v)]
-            yield Call(self.decimals, (values,))
+            yield Call(self.decimals, (values,), self.start_by(deadline))
             if deadline is None:
                 break
             for name in marked:

@@ -419,6 +419,8 @@ def test_an_agets_timeout_covers_its_wait_for_an_executor_thread(etcd, prefix):
     default if given), as a blocking get would, not once a thread is free. (No preload:
     the cache does not know the key is absent, so the reads must ask etcd.)"""
     store = EtcdStore(endpoints=[etcd.endpoint], prefix=prefix, preload_limit=0)
+    store.add("counter", 5)
+    assert store.get("counter") == b"5"  # its key cached: the read is of its value
 
     async def main() -> list[float]:
         took = []
@@ -438,6 +440,14 @@ def test_an_agets_timeout_covers_its_wait_for_an_executor_thread(etcd, prefix):
             took.append(time.monotonic() - started)
             assert await asyncio.wait_for(
                 store.amget(["absent"], default=7, timeout=0.5), 20) == [7]
+            # A counter's value read (its key found) is a round trip as well: unanswered,
+            # as when etcd does not answer it in time (as get and mget then raise).
+            for read in (lambda: store.aget("counter", timeout=0.5),
+                         lambda: store.amget(["counter"], timeout=0.5)):
+                started = time.monotonic()
+                with pytest.raises(EtcdConnectionError):
+                    await asyncio.wait_for(read(), 20)
+                took.append(time.monotonic() - started)
         return took
 
     try:
