@@ -252,10 +252,10 @@ class EtcdStore:
         self._metered = bool(metrics)
         self._hits_get = self.metrics.hit_tick("get")
         self._hits_aget = self.metrics.hit_tick("aget")
-        # Latency of get/aget is observed for one call in LATENCY_SAMPLE_EVERY (hit or
+        # Latency of get/aget/amget is observed for one call in LATENCY_SAMPLE_EVERY (hit or
         # miss alike, so the histogram is an unbiased sample); counts stay exact.
         self._sample_every = LATENCY_SAMPLE_EVERY
-        self._tick_get = self._tick_aget = 1
+        self._tick_get = self._tick_aget = self._tick_amget = 1
         self._observe_get = self.metrics.duration["get"].observe
         self._observe_aget = self.metrics.duration["aget"].observe
         self._duration = self.metrics.duration
@@ -587,23 +587,35 @@ class EtcdStore:
     async def amget(self, names: Iterable[Name], default: Any = MISSING,
                     timeout: Timeout = None, *, consistent: bool = False) -> list[Any]:
         """asyncio :meth:`mget`: all hits → no thread hop; misses read on the executor;
-        ``timeout`` covers the whole call. ``consistent=True``: linearizable."""
-        started = time.perf_counter()  # every call is observed, as mget's are
+        ``timeout`` covers the whole call. ``consistent=True``: linearizable. Its latency
+        is observed for one call in ``LATENCY_SAMPLE_EVERY``, hit or miss, as aget's."""
+        if self._metered:
+            tick = self._tick_amget - 1
+            if tick <= 0:  # one call in LATENCY_SAMPLE_EVERY, hit or miss: timed
+                return await self._amget_timed(names, default, timeout, consistent)
+            self._tick_amget = tick
+        names = names_list(names)
+        if consistent:
+            return list(await self._async.mget("amget", names, default, timeout, True))
+        lookup = self._lookup
+        results: list[Any] = []
+        for name in names:
+            entry = lookup(name)
+            if entry is None or entry[0].__class__ is not bytes:
+                break
+            results.append(entry[0])
+        else:
+            self.metrics.hit["amget"].inc(len(names))
+            return results
+        return list(await self._async.mget("amget", names, default, timeout))
+
+    async def _amget_timed(self, names: Iterable[Name], default: Any, timeout: Timeout,
+                           consistent: bool) -> list[Any]:
+        """:meth:`amget` with its latency observed (the sampled call)."""
+        self._tick_amget = self._sample_every + 1  # the call below counts itself
+        started = time.perf_counter()
         try:
-            names = names_list(names)
-            if consistent:
-                return list(await self._async.mget("amget", names, default, timeout, True))
-            lookup = self._lookup
-            results: list[Any] = []
-            for name in names:
-                entry = lookup(name)
-                if entry is None or entry[0].__class__ is not bytes:
-                    break
-                results.append(entry[0])
-            else:
-                self.metrics.hit["amget"].inc(len(names))
-                return results
-            return list(await self._async.mget("amget", names, default, timeout))
+            return await self.amget(names, default, timeout, consistent=consistent)
         finally:
             self._duration["amget"].observe(time.perf_counter() - started)
 
