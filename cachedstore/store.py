@@ -258,6 +258,7 @@ class EtcdStore:
         self._tick_get = self._tick_aget = self._tick_amget = 1
         self._observe_get = self.metrics.duration["get"].observe
         self._observe_aget = self.metrics.duration["aget"].observe
+        self._observe_amget = self.metrics.duration["amget"].observe
         self._duration = self.metrics.duration
         self._closed = False
         _live.add(self)
@@ -574,15 +575,18 @@ class EtcdStore:
     async def _aget_timed(self, name: Name, default: Any, timeout: Timeout) -> Any:
         """:meth:`aget` with its latency observed (the sampled call)."""
         self._tick_aget = self._sample_every
-        started = time.perf_counter()
+        started, observe = time.perf_counter(), self._observe_aget
         try:
             entry = self._lookup(name)
             if entry is not None and entry[0].__class__ is bytes:
                 next(self._hits_aget)
                 return entry[0]
             return await self._async.get("aget", name, default, timeout)
+        except GeneratorExit:
+            observe = _unobserved  # closed unfinished: see _unobserved
+            raise
         finally:
-            self._observe_aget(time.perf_counter() - started)
+            observe(time.perf_counter() - started)
 
     async def amget(self, names: Iterable[Name], default: Any = MISSING,
                     timeout: Timeout = None, *, consistent: bool = False) -> list[Any]:
@@ -613,11 +617,14 @@ class EtcdStore:
                            consistent: bool) -> list[Any]:
         """:meth:`amget` with its latency observed (the sampled call)."""
         self._tick_amget = self._sample_every + 1  # the call below counts itself
-        started = time.perf_counter()
+        started, observe = time.perf_counter(), self._observe_amget
         try:
             return await self.amget(names, default, timeout, consistent=consistent)
+        except GeneratorExit:
+            observe = _unobserved  # closed unfinished: see _unobserved
+            raise
         finally:
-            self._duration["amget"].observe(time.perf_counter() - started)
+            observe(time.perf_counter() - started)
 
     @property
     def _async(self) -> AsyncFront:
@@ -812,6 +819,12 @@ class EtcdStore:
                 self.close()
         except Exception:
             pass
+
+
+def _unobserved(seconds: float) -> None:
+    """The latency of a coroutine closed unfinished is not observed: the garbage collector
+    closes an abandoned one (an aget whose event loop is gone: its task and futures form a
+    cycle) on whatever thread it runs, which may hold the histogram's lock."""
 
 
 class _Timer:

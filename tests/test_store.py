@@ -392,20 +392,26 @@ def test_many_async_waiters_hold_no_threads(etcd, prefix):
         assert asyncio.run(main()) == [str(i).encode() for i in range(200)]
 
 
-def test_an_aget_left_pending_by_a_closed_loop_does_not_stay_a_waiter(store, etcd, prefix):
-    """A loop stopped and closed with a blocking aget still pending (no asyncio.run, which
-    would cancel it): the coroutine never removes its waiter. Once the key is put, the
-    store no longer counts it, and its watch may be paced again."""
+def _abandon(store, read) -> None:
+    """Run ``read()`` (a blocking aget/amget coroutine) on a loop of its own until it
+    waits, then close the loop without cancelling it (no asyncio.run, which would)."""
     def abandoned_loop() -> None:
         loop = asyncio.new_event_loop()
-        loop.create_task(store.aget("k", timeout=30))
+        loop.create_task(read())
         loop.run_until_complete(asyncio.to_thread(
-            eventually, lambda: store.stats()["waiters"] == 1, 10, 0.005, "the aget waits"))
+            eventually, lambda: store.stats()["waiters"] == 1, 10, 0.005, "the wait"))
         loop.close()
 
     thread = threading.Thread(target=abandoned_loop, name="test-abandoned-loop")
     thread.start()
     thread.join(30)
+
+
+def test_an_aget_left_pending_by_a_closed_loop_does_not_stay_a_waiter(store, etcd, prefix):
+    """A loop stopped and closed with a blocking aget still pending (no asyncio.run, which
+    would cancel it): the coroutine never removes its waiter. Once the key is put, the
+    store no longer counts it, and its watch may be paced again."""
+    _abandon(store, lambda: store.aget("k", timeout=30))
     assert store.stats()["waiters"] == 1
     raw_client(etcd).put(prefix + "k", "v")
     eventually(lambda: store.stats()["waiters"] == 0, 10, 0.01, "the dead waiter forgotten")
@@ -499,16 +505,7 @@ def test_an_abandoned_agets_cleanup_never_waits_for_the_cache_lock(store, etcd, 
 
     gc.disable()
     try:
-        def abandoned_loop() -> None:
-            loop = asyncio.new_event_loop()
-            loop.create_task(store.aget("k", timeout=30))
-            loop.run_until_complete(asyncio.to_thread(
-                eventually, lambda: store.stats()["waiters"] == 1, 10, 0.005, "the wait"))
-            loop.close()
-
-        thread = threading.Thread(target=abandoned_loop, name="test-abandoned-loop")
-        thread.start()
-        thread.join(30)
+        _abandon(store, lambda: store.aget("k", timeout=30))
         raw_client(etcd).put(prefix + "k", "v")  # its wake finds the loop closed
         eventually(lambda: store.stats()["waiters"] == 0, 10, 0.01, "the waiter forgotten")
         stored, collected = cache_module.stored, []
@@ -530,6 +527,42 @@ def test_an_abandoned_agets_cleanup_never_waits_for_the_cache_lock(store, etcd, 
         assert finished, "the collector's cleanup waited for the lock its thread held"
         assert collected == [True]
         assert store.stats()["waiters"] == 0
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("op", ["aget", "amget"])
+def test_an_abandoned_sampled_reads_cleanup_never_waits_for_the_histograms_lock(
+        etcd, prefix, op):
+    """The sampled call (a store's first aget or amget is one) observes its latency as it
+    ends; closed unfinished by the garbage collector, on a thread that may hold the
+    histogram's lock (a scrape's snapshot allocates under it), it observes nothing.
+    Forced: a collection while the histogram's lock is held."""
+    import gc
+
+    gc.disable()
+    try:
+        with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix) as store:
+            read = {"aget": lambda: store.aget("k", timeout=30),
+                    "amget": lambda: store.amget(["k"], timeout=30)}[op]
+            observe = {"aget": store._observe_aget, "amget": store._observe_amget}[op]
+            _abandon(store, read)
+            raw_client(etcd).put(prefix + "k", "v")  # forgotten: now cyclic garbage
+            eventually(lambda: store.stats()["waiters"] == 0, 10, 0.01, "forgotten")
+            lock, done = observe.__self__._lock, threading.Event()
+
+            def collect_under_the_lock() -> None:
+                with lock:
+                    gc.collect()
+                done.set()
+
+            thread = threading.Thread(target=collect_under_the_lock, daemon=True,
+                                      name="test-collector")
+            thread.start()
+            finished = done.wait(10)
+            if not finished:
+                lock.release()  # (for the teardown: a plain Lock, any thread)
+            assert finished, "the collector's cleanup waited for the lock its thread held"
     finally:
         gc.enable()
 
