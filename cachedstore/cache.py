@@ -572,6 +572,8 @@ class CoherentCache:
         waiters of keys that were put. A dropped scope's late events are ignored."""
         woken: _Woken = []
         with self._lock:
+            if self._removals:  # (each watch response, so that none waits for a reader)
+                self._remove_later_ones()
             scope = scope or self._root
             if scope is None or scope.removed or scope.opening:
                 return
@@ -862,8 +864,8 @@ class CoherentCache:
         """:meth:`remove_waiter` for a finalizer: it never waits for the lock. The garbage
         collector closes an abandoned read's logic (an aget whose event loop is gone: its
         task and waiter form a cycle) on whatever thread it runs, which may be holding
-        this lock. Done now if the lock is free, else by the next thread that registers or
-        removes a waiter (until then the waiter is counted, and woken in vain)."""
+        this lock. Done now if the lock is free, else by the next watch response applied or
+        thread that registers or removes a waiter (until then the waiter is counted)."""
         if self._lock.acquire(blocking=False):
             try:
                 self._unregister_held(self._waiters, name, waiter, True)

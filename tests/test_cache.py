@@ -156,6 +156,19 @@ def test_a_removal_that_finds_the_lock_held_is_made_by_the_next_registration():
     assert cache.n_waiters == 0 and registry.get_sample_value("cachedstore_waiters") == 0
 
 
+def test_a_removal_left_for_later_is_made_by_the_next_watch_response():
+    """A reader may never come again: the watch's next response makes the removal too."""
+    cache, registry = make()
+    waiter = ThreadWaiter()
+    cache.add_waiter("k", waiter)
+    with cache._lock:
+        cache.remove_waiter_soon("k", waiter)
+    assert cache.n_waiters == 1 and cache.awaited()
+    cache.apply_events([("j", b"1", 3)], 3)
+    assert cache.n_waiters == 0 and not cache.awaited()
+    assert registry.get_sample_value("cachedstore_waiters") == 0
+
+
 def test_async_waiter_woken_from_another_thread():
     cache, _ = make()
 
