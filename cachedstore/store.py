@@ -814,10 +814,16 @@ class EtcdStore:
         self.close()
 
     def __del__(self) -> None:  # a forgotten store must not leave its thread running
+        # Closed on a thread of its own, not in place: a store dropped without close() is
+        # freed by the garbage collector (it is in reference cycles), on whatever thread
+        # the collection starts, maybe its own watch thread holding its cache's lock,
+        # which close() takes (and close() joins that thread).
         try:
             if not self._closed:
-                self.close()
-        except Exception:
+                threading.Thread(target=self.close,
+                                 name=f"cachedstore-close-{getattr(self, '_id', '?')}",
+                                 daemon=True).start()
+        except Exception:  # (at interpreter shutdown no thread starts: its threads end)
             pass
 
 

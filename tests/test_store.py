@@ -567,6 +567,42 @@ def test_an_abandoned_sampled_reads_cleanup_never_waits_for_the_histograms_lock(
         gc.enable()
 
 
+def test_a_forgotten_store_is_closed_off_the_collectors_thread(etcd, prefix, monkeypatch):
+    """A store dropped without close() is in reference cycles: the garbage collector frees
+    it, on any thread, its own watch thread too, while that holds the cache's lock. Its
+    close (which takes that lock, and joins that thread) runs on a thread of its own.
+    Forced: the forgotten store's watch thread collects while it installs an event."""
+    import gc
+    import weakref
+
+    import cachedstore.cache as cache_module
+
+    gc.disable()
+    try:
+        store = EtcdStore(endpoints=[etcd.endpoint], prefix=prefix)
+        store.get("x", default=None)
+        cache, forgotten = store._cache, weakref.ref(store)
+        watch_thread = f"cachedstore-watch-{store._id}"
+        del store
+        assert forgotten() is not None  # only its cycles hold it
+        stored, collected = cache_module.stored, []
+
+        def stored_after_collecting(value):
+            if not collected and threading.current_thread().name == watch_thread:
+                collected.append(cache._lock.locked())
+                gc.collect()
+            return stored(value)
+
+        monkeypatch.setattr(cache_module, "stored", stored_after_collecting)
+        raw_client(etcd).put(prefix + "x", "1")
+        eventually(lambda: collected and forgotten() is None, 10, 0.01, "the collection")
+        eventually(lambda: all(t.name != watch_thread for t in threading.enumerate()), 10,
+                   0.01, "the forgotten store's watch thread ended")
+        assert collected == [True] and not cache._lock.locked()
+    finally:
+        gc.enable()
+
+
 def test_mget_and_amget_latency_is_observed_hit_or_miss_alike(store):
     """The duration histogram is an unbiased sample on both fronts: every mget (all hits,
     a miss, consistent), and one amget in ``LATENCY_SAMPLE_EVERY`` whichever it is (it had
