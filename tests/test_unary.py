@@ -394,6 +394,23 @@ def test_close_cuts_a_connection_in_its_handshake() -> None:
 
     peer = _Peer(mute)
     channel, rpc = _channel(peer.target, connect_timeout=20)
+
+    def close() -> None:
+        assert preface_read.wait(10)
+        channel.close()
+
+    try:
+        _fails_at_once_when_closed(rpc, close, "the handshake")
+    finally:
+        done.set()
+        peer.close()
+
+
+def _fails_at_once_when_closed(rpc: _Methods, close: Callable[[], None] | None,
+                               what: str) -> None:
+    """A Range sent from a thread of its own, then ``close()`` (if given) on this one: the
+    call fails within 5 s with UNAVAILABLE "the channel is closed" (``what`` went on
+    otherwise)."""
     failures: list[grpc.RpcError] = []
 
     def call() -> None:
@@ -403,21 +420,19 @@ def test_close_cuts_a_connection_in_its_handshake() -> None:
             failures.append(exc)
 
     caller = threading.Thread(target=call, name="test-unary-caller")
+    started = time.monotonic()
+    caller.start()
     try:
-        caller.start()
-        assert preface_read.wait(10)
-        started = time.monotonic()
-        channel.close()
+        if close is not None:
+            close()
         caller.join(5)
-        assert not caller.is_alive(), "the handshake went on after close()"
+        assert not caller.is_alive(), f"{what} went on after close()"
         assert time.monotonic() - started < 5
         (error,) = failures
         assert error.code() is grpc.StatusCode.UNAVAILABLE
         assert error.details() == "the channel is closed"
     finally:
-        done.set()
         caller.join(30)
-        peer.close()
 
 
 class _ClosingOnWrap(ssl.SSLContext):
@@ -449,32 +464,18 @@ def test_close_cuts_a_connection_in_its_tls_handshake(when: str) -> None:
     tls.set_alpn_protocols(["h2"])
     tls.check_hostname, tls.verify_mode = False, ssl.CERT_NONE
     channel, rpc = _channel(peer.target, tls, connect_timeout=20)
+
+    def close() -> None:
+        assert hello_read.wait(10)
+        channel.close()
+
     if when == "as the socket is wrapped":
         tls.channel = channel
-    failures: list[grpc.RpcError] = []
-
-    def call() -> None:
-        try:
-            rpc.range(etcdrpc.RangeRequest(key=b"k"), timeout=20)
-        except grpc.RpcError as exc:
-            failures.append(exc)
-
-    caller = threading.Thread(target=call, name="test-unary-caller")
     try:
-        started = time.monotonic()
-        caller.start()
-        if when == "in the TLS handshake":
-            assert hello_read.wait(10)
-            channel.close()
-        caller.join(5)
-        assert not caller.is_alive(), "the TLS handshake went on after close()"
-        assert time.monotonic() - started < 5
-        (error,) = failures
-        assert error.code() is grpc.StatusCode.UNAVAILABLE
-        assert error.details() == "the channel is closed"
+        _fails_at_once_when_closed(rpc, close if when == "in the TLS handshake" else None,
+                                   "the TLS handshake")
     finally:
         done.set()
-        caller.join(30)
         peer.close()
 
 
