@@ -6,8 +6,9 @@ created as needed; blocking waits hold no thread (an
 covers the whole call, however many keys it waits for, and however long its round trips
 wait for a free thread: one still queued at its read's deadline (but never sooner than
 250 ms after it was queued) fails as if etcd had not answered in time, with
-:class:`~cachedstore.EtcdConnectionError` (a blocking read then times out, its default
-answering if it has one). Once the store is closed every call raises
+:class:`~cachedstore.EtcdConnectionError`, and the read ends as it would in an outage
+(docs/guarantees.md point 4: a blocking read times out, its default answering if it has
+one). A pause reads the store's clock. Once the store is closed every call raises
 :class:`~cachedstore.StoreClosedError`, including calls in flight when it closed; a
 coroutine cancelled by its own caller still sees ``CancelledError``.
 """
