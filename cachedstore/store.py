@@ -257,8 +257,6 @@ class EtcdStore:
         self._sample_every = LATENCY_SAMPLE_EVERY
         self._tick_get = self._tick_aget = self._tick_amget = 1
         self._observe_get = self.metrics.duration["get"].observe
-        self._observe_aget = self.metrics.duration["aget"].observe
-        self._observe_amget = self.metrics.duration["amget"].observe
         self._duration = self.metrics.duration
         self._closed = False
         _live.add(self)
@@ -575,18 +573,12 @@ class EtcdStore:
     async def _aget_timed(self, name: Name, default: Any, timeout: Timeout) -> Any:
         """:meth:`aget` with its latency observed (the sampled call)."""
         self._tick_aget = self._sample_every
-        started, observe = time.perf_counter(), self._observe_aget
-        try:
+        with self._timed("aget"):
             entry = self._lookup(name)
             if entry is not None and entry[0].__class__ is bytes:
                 next(self._hits_aget)
                 return entry[0]
             return await self._async.get("aget", name, default, timeout)
-        except GeneratorExit:
-            observe = _unobserved  # closed unfinished: see _unobserved
-            raise
-        finally:
-            observe(time.perf_counter() - started)
 
     async def amget(self, names: Iterable[Name], default: Any = MISSING,
                     timeout: Timeout = None, *, consistent: bool = False) -> list[Any]:
@@ -617,14 +609,8 @@ class EtcdStore:
                            consistent: bool) -> list[Any]:
         """:meth:`amget` with its latency observed (the sampled call)."""
         self._tick_amget = self._sample_every + 1  # the call below counts itself
-        started, observe = time.perf_counter(), self._observe_amget
-        try:
+        with self._timed("amget"):
             return await self.amget(names, default, timeout, consistent=consistent)
-        except GeneratorExit:
-            observe = _unobserved  # closed unfinished: see _unobserved
-            raise
-        finally:
-            observe(time.perf_counter() - started)
 
     @property
     def _async(self) -> AsyncFront:
@@ -827,14 +813,12 @@ class EtcdStore:
             pass
 
 
-def _unobserved(seconds: float) -> None:
-    """The latency of a coroutine closed unfinished is not observed: the garbage collector
-    closes an abandoned one (an aget whose event loop is gone: its task and futures form a
-    cycle) on whatever thread it runs, which may hold the histogram's lock."""
-
-
 class _Timer:
-    """``with`` block observing its duration into a bound histogram child."""
+    """``with`` block observing its duration into a bound histogram child. A coroutine
+    closed unfinished (GeneratorExit) is not observed: the garbage collector closes an
+    abandoned one (an aget whose event loop is gone: its task and futures form a cycle) on
+    whatever thread it runs, which may hold the histogram's lock (a scrape's snapshot
+    allocates under it)."""
 
     __slots__ = ("_observe", "_started")
 
@@ -845,5 +829,6 @@ class _Timer:
     def __enter__(self) -> None:
         self._started = time.perf_counter()
 
-    def __exit__(self, *exc: object) -> None:
-        self._observe(time.perf_counter() - self._started)
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        if kind is not GeneratorExit:
+            self._observe(time.perf_counter() - self._started)

@@ -545,11 +545,10 @@ def test_an_abandoned_sampled_reads_cleanup_never_waits_for_the_histograms_lock(
         with EtcdStore(endpoints=[etcd.endpoint], prefix=prefix) as store:
             read = {"aget": lambda: store.aget("k", timeout=30),
                     "amget": lambda: store.amget(["k"], timeout=30)}[op]
-            observe = {"aget": store._observe_aget, "amget": store._observe_amget}[op]
             _abandon(store, read)
             raw_client(etcd).put(prefix + "k", "v")  # forgotten: now cyclic garbage
             eventually(lambda: store.stats()["waiters"] == 0, 10, 0.01, "forgotten")
-            lock, done = observe.__self__._lock, threading.Event()
+            lock, done = store.metrics.duration[op]._lock, threading.Event()
 
             def collect_under_the_lock() -> None:
                 with lock:
