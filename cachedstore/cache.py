@@ -545,24 +545,15 @@ class CoherentCache:
         with its coroutine still pending (a loop stopped without cancelling its tasks). The
         coroutine's own removal never runs, and the waiter would count as a blocked reader
         (:meth:`awaited`, which turns watch pacing off) for the store's life. Found at the
-        first wake or nudge that reaches it. Only blocking reads register such waiters. The
-        references go after the lock: the coroutine they free removes its waiter again (a
-        no-op now), which takes the lock."""
+        first wake or nudge that reaches it. Only blocking reads register such waiters. When
+        the garbage collector later closes the coroutine, its removal finds nothing
+        (:meth:`remove_waiter_soon`)."""
         gone = {id(waiter) for waiter in dead}
         with self._lock:
             for table in (self._waiters, self._prefix_waiters):
                 for key, waiters in list(table.items()):
-                    kept = [w for w in waiters if id(w) not in gone]
-                    removed = len(waiters) - len(kept)
-                    if not removed:
-                        continue
-                    self._n_waiters -= removed
-                    self._n_blocked -= removed
-                    self._metrics.waiters.dec(removed)
-                    if kept:
-                        table[key] = kept
-                    else:
-                        del table[key]
+                    for waiter in [w for w in waiters if id(w) in gone]:
+                        self._unregister_held(table, key, waiter, True)
 
     # -- the watch -------------------------------------------------------------------------
     def apply_events(self, events: Iterable[tuple[str, bytes | None, int]],
